@@ -1,0 +1,106 @@
+"""Plain, picklable messages that cross deployment boundaries.
+
+Nothing here holds a live object (no Starlette request, no tensor, no lock): every message is a
+dataclass of ints, floats, strings, lists and dicts so Ray can pickle it cheaply. Timing fields are
+durations measured inside one process, never raw clocks from another process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Maximum ``top_logprobs`` the sampler returns (the OpenAI API allows 20).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one sequence, and when to stop.
+
+    ``top_k <= 0`` disables top-k; ``top_p == 1`` and ``min_p == 0`` disable nucleus and min-p
+    filtering; ``temperature == 0`` means greedy. ``logprobs`` is ``None`` when no log-probabilities
+    are wanted, else the number of alternatives (0..20) returned beside the sampled token's own.
+    ``stop`` strings are handled by Egress (they need text); the engine handles ``stop_token_ids``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the presence, frequency or repetition penalties is active."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one sampled token and, if asked, its top alternatives."""
+
+    token_id: int
+    logprob: float
+    #: (token_id, logprob) pairs, most likely first; empty when not asked.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class EngineRequest:
+    """A tokenised request handed from Preprocess to the Engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    #: W3C trace context carrier (``traceparent`` / ``tracestate``), empty when tracing is off.
+    trace_context: dict[str, str] = field(default_factory=dict)
+    #: Rendered prompt text; kept only so Egress can echo it (``echo``) and for opt-in logging.
+    prompt_text: str | None = None
+    #: Index of this choice when the client asked for ``n > 1``.
+    choice_index: int = 0
+    #: Durations measured upstream (seconds), e.g. ``{"template": .., "tokenize": ..}``.
+    upstream_timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EngineOutput:
+    """What the engine produced for one request since the last item it streamed.
+
+    The engine coalesces: one ``EngineOutput`` may carry the tokens of several steps when the
+    consumer was slower than the engine. ``finish_reason`` is set on the last item only.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    #: One entry per new token when logprobs were asked, else ``None``.
+    logprobs: list[TokenLogprob] | None = None
+    #: ``"stop"``, ``"length"`` or ``"abort"`` on the final item; ``None`` before.
+    finish_reason: str | None = None
+    #: The token id that ended the request (EOS or a stop token), when there is one.
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    #: Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0
+    #: Engine-side durations in seconds, on the first and final items: ``queue``, ``prefill``,
+    #: ``decode``, ``engine_total``, plus counters such as ``num_preemptions`` and ``decode_steps``.
+    timings: dict[str, float] = field(default_factory=dict)
