@@ -8,7 +8,6 @@ durations measured inside one process, never raw clocks from another process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 #: Maximum ``top_logprobs`` the sampler returns (the OpenAI API allows 20).
 MAX_TOP_LOGPROBS = 20

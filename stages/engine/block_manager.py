@@ -98,8 +98,8 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids of the longest cached prefix of the request's tokens.
 
-        Never covers the last token: it must be computed to produce logits. Counts one query of
-        ``num_tokens`` tokens and the hit tokens.
+        Never covers the last token: it must be computed to produce logits. Counting is left to
+        :meth:`record_lookup`, called once the request is actually admitted.
         """
         if not self.enable_prefix_caching:
             return []
@@ -115,9 +115,13 @@ class BlockManager:
             if self.blocks[block_id].token_ids != tuple(request.all_token_ids[i * bs:(i + 1) * bs]):
                 break
             hit.append(block_id)
-        self.stats.queries += request.num_tokens
-        self.stats.hits += len(hit) * bs
         return hit
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup (in tokens, as vLLM's counters do)."""
+        if self.enable_prefix_caching:
+            self.stats.queries += num_query_tokens
+            self.stats.hits += num_hit_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly computed full blocks in the prefix cache."""

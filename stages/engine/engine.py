@@ -1,0 +1,233 @@
+"""The synchronous engine core: add requests, run one step at a time, abort, report stats.
+
+``step()`` is schedule → run model → update requests. It has no Ray imports and no threads; the
+caller decides who drives it (:mod:`stages.engine.async_engine` runs it on a background thread for
+the Ray deployment and the in-process benchmark; tests drive it directly).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from stages.engine.block_manager import BlockManager
+from stages.engine.request import EventType, Request, RequestStatus
+from stages.engine.scheduler import Scheduler, SchedulerConfig
+from stages.protocol import SamplingParams, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine core needs; validated in ``__post_init__``."""
+
+    model: str = "embedded:smollm2-135m-instruct"
+    device: str = "cpu"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    kv_cache_memory_gb: float = 1.0
+    num_threads: int = 0
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    long_prefill_token_threshold: int = 0
+    #: 0: the model's own context length (capped by the KV pool).
+    max_model_len: int = 0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.kv_cache_memory_gb <= 0 and self.num_kv_blocks <= 0:
+            raise ValueError("set num_kv_blocks or a positive kv_cache_memory_gb")
+
+
+@dataclass
+class StepOutput:
+    """What one step did to one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    #: Engine-side durations; set on the first token and on the final output.
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's gauges and counters."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    finished_total: dict[str, int]
+    num_steps: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LLMEngine:
+    """Owns the scheduler, the block manager and the model runner."""
+
+    def __init__(self, config: EngineConfig, runner: Any, eos_token_ids: list[int], vocab_size: int,
+                 model_max_len: int) -> None:
+        self.config = config
+        self.runner = runner
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        num_blocks = runner.num_blocks
+        # A request must always fit in the pool on its own, or it could never finish.
+        capacity = num_blocks * config.block_size
+        max_len = config.max_model_len or model_max_len
+        self.max_model_len = min(max_len, model_max_len, capacity)
+        if self.max_model_len < max_len:
+            logger.warning("max_model_len capped to %d tokens by the KV pool", self.max_model_len)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_model_len=self.max_model_len,
+        ), self.block_manager)
+        self.requests: dict[str, Request] = {}
+        self._pending: list[StepOutput] = []
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished_total: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        """Load the model named in ``config`` and build an engine around it."""
+        from stages.engine.loader import load_config, load_state_dict, model_info
+        from stages.engine.model_runner import ModelRunner, RunnerConfig
+
+        info = model_info(config.model)
+        runner = ModelRunner(RunnerConfig(
+            device=config.device, dtype=config.dtype, block_size=config.block_size,
+            num_kv_blocks=config.num_kv_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
+            num_threads=config.num_threads,
+        ), load_config(config.model), load_state_dict(config.model))
+        return cls(config, runner, info.eos_token_ids, info.vocab_size, info.max_model_len)
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and enqueue a tokenised request. Raises ``ValueError`` when it can never run."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt has {n} tokens; the limit is {self.max_model_len - 1}")
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+        if params.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
+                      **({"arrival_time": arrival_time} if arrival_time is not None else {}))
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request as aborted from whatever state it is in; no-op for unknown or finished
+        ids. Its blocks are free on return; its final output comes with the next ``step()``."""
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:
+            return False
+        self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+        self._pending.append(self._final_output(req, []))
+        self._retire(req)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # -- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        """Schedule, run the model once, sample, and update every scheduled request."""
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return outputs
+        self.num_steps += 1
+        sampled = self.runner.execute(sched.scheduled)
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = s.request
+            # A chunk of prompt (or of recomputation after preemption), not a decode.
+            prefill = req.num_output_tokens == 0 or req.num_computed_tokens < req.num_tokens - 1
+            req.num_computed_tokens += s.num_new_tokens
+            if prefill:
+                req.record(EventType.PREFILL_CHUNK, now, tokens=s.num_new_tokens)
+            self.block_manager.cache_full_blocks(req)
+            if req.request_id not in sampled:
+                continue
+            token_id, logprob = sampled[req.request_id]
+            first = req.num_output_tokens == 0
+            req.append_output(token_id, logprob)
+            req.record(EventType.FIRST_TOKEN if first else EventType.DECODE_STEP, now)
+            self.generation_tokens_total += 1
+            if first:
+                self.prompt_tokens_total += req.num_prompt_tokens
+            status = req.check_stop(self.max_model_len)
+            lps = [logprob] if logprob is not None else None
+            if status is not None:
+                self.scheduler.finish(req, status)
+                outputs.append(self._final_output(req, [token_id], lps))
+                self._retire(req)
+            else:
+                outputs.append(StepOutput(req.request_id, [token_id], lps,
+                                          num_prompt_tokens=req.num_prompt_tokens,
+                                          num_cached_tokens=max(req.num_cached_tokens, 0),
+                                          timings=req.timings() if first else {}))
+        return outputs
+
+    def _final_output(self, req: Request, tokens: list[int],
+                      logprobs: list[TokenLogprob] | None = None) -> StepOutput:
+        return StepOutput(req.request_id, tokens, logprobs, req.finish_reason, req.stop_token_id,
+                          req.num_prompt_tokens, max(req.num_cached_tokens, 0), req.timings())
+
+    def _retire(self, req: Request) -> None:
+        self.finished_total[req.finish_reason or "abort"] += 1
+        del self.requests[req.request_id]
+
+    # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            finished_total=dict(self.finished_total),
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,148 @@
+"""Turns a scheduler decision into tensors, runs the model over the paged KV cache, samples.
+
+Owns the model weights and the KV-cache tensors (one K and one V tensor per layer, shaped
+``[num_blocks * block_size, num_kv_heads, head_dim]``: slot ``b * block_size + i`` holds token ``i``
+of block ``b``). Knows nothing about queues or request lifecycles.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from stages.engine.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
+from stages.engine.sampler import Sampler, SamplingContext
+from stages.engine.scheduler import ScheduledRequest
+from stages.protocol import TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerConfig:
+    """Where and how the model runs."""
+
+    device: str = "cpu"
+    #: "float32" on CPU by default; "bfloat16" is the CUDA default.
+    dtype: str = "auto"
+    block_size: int = 16
+    #: Number of KV blocks; 0 derives it from ``kv_cache_memory_gb``.
+    num_kv_blocks: int = 0
+    kv_cache_memory_gb: float = 1.0
+    #: torch intra-op threads on CPU (0: leave torch's default).
+    num_threads: int = 0
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)
+
+
+class ModelRunner:
+    """Runs one engine step's forward pass and sampling."""
+
+    def __init__(self, config: RunnerConfig, hf_config: object, state_dict: dict[str, torch.Tensor]) -> None:
+        self.config = config
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        if arch not in ARCHITECTURES:
+            raise NotImplementedError(f"architecture {arch} is not supported (have {ARCHITECTURES})")
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype()
+        self.args = LlamaArgs.from_hf_config(hf_config)
+        t0 = time.monotonic()
+        # Build on the meta device (no random init of weights we are about to overwrite).
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.args)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.tie_and_init_buffers()
+        model.load_hf_state_dict(state_dict)
+        self.model = model.eval()
+        logger.info("model %s loaded on %s/%s in %.1fs", arch, self.device, self.dtype, time.monotonic() - t0)
+
+        self.block_size = config.block_size
+        self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_gb)
+        shape = (self.num_blocks * self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(self.args.num_layers)]
+        self.sampler = Sampler(self.device)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V across all layers for one token."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.args.num_layers * self.args.num_kv_heads * self.args.head_dim * elem
+
+    def _blocks_for_memory(self, gb: float) -> int:
+        return max(1, int(gb * (1 << 30)) // (self.kv_bytes_per_token * self.block_size))
+
+    # -- step -------------------------------------------------------------------------------------
+    def _slots(self, block_table: list[int], start: int, end: int) -> list[int]:
+        bs = self.block_size
+        return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, AttentionMetadata, list[ScheduledRequest]]:
+        """Flatten the batch (single-token queries first) and build the attention metadata.
+
+        Returns the input ids, the metadata, and the batch in the order used (logits follow it).
+        """
+        decodes = [s for s in batch if s.num_new_tokens == 1]
+        prefills = [s for s in batch if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        logits_idx: list[int] = []
+        for s in ordered:
+            req, start, end = s.request, s.start, s.start + s.num_new_tokens
+            ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self._slots(req.block_table, start, end))
+            if s.samples:
+                logits_idx.append(len(ids) - 1)
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
+        )
+        if decodes:
+            ctx_lens = [s.start + 1 for s in decodes]
+            width = max(ctx_lens)
+            table = [self._slots(s.request.block_table, 0, n) + [0] * (width - n) for s, n in zip(decodes, ctx_lens, strict=True)]
+            meta.num_decodes = len(decodes)
+            meta.decode_slots = torch.tensor(table, dtype=torch.long, device=dev)
+            lens = torch.tensor(ctx_lens, device=dev)
+            meta.decode_mask = (torch.arange(width, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+        offset = len(decodes)
+        for s in prefills:
+            start, n = s.start, s.num_new_tokens
+            ctx = torch.tensor(self._slots(s.request.block_table, 0, start + n), dtype=torch.long, device=dev)
+            # Query i sits at position start+i and sees every context position <= its own.
+            q_pos = torch.arange(start, start + n, device=dev)[:, None]
+            mask = torch.arange(start + n, device=dev)[None, :] <= q_pos
+            meta.prefills.append((offset, offset + n, ctx, mask))
+            offset += n
+        return torch.tensor(ids, dtype=torch.long, device=dev), meta, ordered
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledRequest]) -> dict[str, tuple[int, TokenLogprob | None]]:
+        """Run the forward pass for ``batch`` and sample for every sequence whose chunk ends its
+        known tokens. Returns ``{request_id: (token_id, logprob)}``."""
+        input_ids, meta, ordered = self.prepare(batch)
+        logits = self.model(input_ids, meta, self.kv_caches)
+        samplers = [s.request for s in ordered if s.samples]
+        if not samplers:
+            return {}
+        rows = []
+        for req in samplers:
+            if req.params.seed is not None and req.generator is None:
+                req.generator = Sampler.make_generator(req.params.seed, self.device)
+            rows.append(SamplingContext(req.params, req.prompt_token_ids, req.output_token_ids, req.generator))
+        sampled = self.sampler.sample(logits.float(), rows)
+        return {req.request_id: out for req, out in zip(samplers, sampled, strict=True)}
