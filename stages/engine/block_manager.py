@@ -5,10 +5,10 @@ decides which block ids a request's tokens live in.
 
 Prefix caching: a *full* block is identified by a hash chained through its parent block's hash,
 ``hash((parent_hash, tuple(token_ids)))``, so equal hashes imply equal prefixes up to collisions,
-and every hit is confirmed by comparing token ids. A freed block keeps its hash and contents and
-stays findable until it is reused; the free list is ordered so that the least recently freed block
-is reused first (LRU reclaim), and a request frees its blocks tail first, so a prompt's head, the
-part most likely to be shared, survives longest.
+and every hit is confirmed by its token ids and its parent block. A freed block keeps its hash and
+contents and stays findable until it is reused; the free list is ordered so that the least recently
+freed block is reused first (LRU reclaim), and a request frees its blocks tail first, so a prompt's
+head, the part most likely to be shared, survives longest.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from stages.engine.request import Request
 
 #: Hash of the (virtual) parent of a request's first block.
 ROOT_HASH = 0
+#: ``Block.parent_block_id`` of a registered first block.
+NO_PARENT = -1
 
 
 @dataclass
@@ -31,6 +33,9 @@ class Block:
     #: Chained hash of this block's prefix; ``None`` while the block is not registered.
     block_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+    #: Block that held the previous block of the prefix when this one was registered
+    #: (``NO_PARENT`` for a first block); a hit must follow the same chain of blocks.
+    parent_block_id: int | None = None
 
 
 def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
@@ -111,8 +116,12 @@ class BlockManager:
             block_id = self._hash_to_block.get(hashes[i])
             if block_id is None:
                 break
-            # Confirm by token ids: a hash collision must never serve another prompt's KV.
-            if self.blocks[block_id].token_ids != tuple(request.all_token_ids[i * bs:(i + 1) * bs]):
+            # Confirm by token ids and by the parent block: a hash collision must never serve
+            # another prompt's KV (equal tokens at another position or after another prefix).
+            block = self.blocks[block_id]
+            if block.token_ids != tuple(request.all_token_ids[i * bs:(i + 1) * bs]):
+                break
+            if block.parent_block_id != (hit[-1] if hit else NO_PARENT):
                 break
             hit.append(block_id)
         return hit
@@ -136,6 +145,7 @@ class BlockManager:
             if block.block_hash is None and h not in self._hash_to_block:
                 block.block_hash = h
                 block.token_ids = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+                block.parent_block_id = request.block_table[i - 1] if i else NO_PARENT
                 self._hash_to_block[h] = block.block_id
         request.num_cached_blocks_registered = max(request.num_cached_blocks_registered, num_full)
 
@@ -147,6 +157,7 @@ class BlockManager:
             del self._hash_to_block[block.block_hash]
             block.block_hash = None
             block.token_ids = ()
+            block.parent_block_id = None
         block.ref_count = 1
         return block
 
@@ -194,6 +205,7 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = ()
+            block.parent_block_id = None
         self._hash_to_block.clear()
 
     def check_invariants(self, live: list[Request]) -> None:
