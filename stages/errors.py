@@ -26,6 +26,7 @@ __all__ = [
     "PayloadTooLargeError",
     "QueueFullError",
     "EngineUnavailableError",
+    "RequestTimeoutError",
     "InternalServerError",
     "RequestCancelledError",
 ]
@@ -185,6 +186,15 @@ class EngineUnavailableError(ServeError):
     status_code = 503
     error_type = "service_unavailable"
     default_message = "The inference engine is not available."
+
+
+class RequestTimeoutError(ServeError):
+    """504: the request ran past the configured ``request_timeout_s`` and was aborted."""
+
+    status_code = 504
+    error_type = "timeout"
+    default_code = "request_timeout"
+    default_message = "The request timed out and was aborted."
 
 
 class InternalServerError(ServeError):

@@ -103,3 +103,36 @@ class EngineOutput:
     #: Engine-side durations in seconds, on the first and final items: ``queue``, ``prefill``,
     #: ``decode``, ``engine_total``, plus counters such as ``num_preemptions`` and ``decode_steps``.
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PreprocessRequest:
+    """A validated API request on its way from Ingress to Preprocess.
+
+    Exactly one of ``messages`` (chat) or ``prompt`` (text or token ids) is set.
+    ``requested_max_tokens`` is ``None`` when the client left it open: Preprocess fills in the room
+    left in the context window.
+    """
+
+    request_id: str
+    sampling_params: SamplingParams
+    requested_max_tokens: int | None
+    messages: list[dict[str, str]] | None = None
+    prompt: str | list[int] | None = None
+    add_generation_prompt: bool = True
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class GenerationJob:
+    """What Egress needs to run one API request: the engine request and the response shape."""
+
+    engine_request: EngineRequest
+    kind: str  # "chat" or "completion"
+    model_name: str
+    response_id: str
+    created: int
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False

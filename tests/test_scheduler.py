@@ -180,7 +180,7 @@ def test_no_admission_without_budget():
 def test_preempts_newest_running_request_to_front_of_queue():
     sched = make(num_blocks=6)
     r1 = add(sched, "r1", 7)
-    r2 = add(sched, "r2", 6, first=10)
+    add(sched, "r2", 6, first=10)
     r3 = add(sched, "r3", 7, first=20)
     assert plan(step(sched)) == [("r1", 7), ("r2", 6), ("r3", 7)]  # 2 blocks each: pool full
     late = add(sched, "late", 2, first=30)  # one block: fits after the preemption, yet waits
@@ -247,7 +247,7 @@ def test_preemption_with_shared_prefix_blocks_keeps_ref_counts():
 # -- chunk limits ------------------------------------------------------------------------------------
 def test_long_prefill_token_threshold():
     sched = make(budget=32, threshold=5)
-    d = add(sched, "d", 2)
+    add(sched, "d", 2)
     assert plan(step(sched)) == [("d", 2)]
     add(sched, "a", 12, first=3)
     add(sched, "b", 12, first=9)

@@ -21,22 +21,20 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from stages.engine.engine import EngineStats, LLMEngine, StepOutput
+from stages.errors import EngineUnavailableError, InvalidRequestError, QueueFullError
 from stages.protocol import EngineOutput, EngineRequest, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(EngineUnavailableError):
     """The step loop crashed; the engine cannot serve any more requests."""
-
-
-class QueueFullError(RuntimeError):
-    """The waiting queue is at its configured bound."""
 
 
 @dataclass
@@ -71,6 +69,36 @@ def merge_outputs(request_id: str, outs: list[StepOutput]) -> EngineOutput:
                         last.num_prompt_tokens, last.num_cached_tokens, timings)
 
 
+#: Upper bounds (seconds) of the abort-latency histogram.
+ABORT_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class CumulativeHistogram:
+    """A tiny Prometheus-style histogram (cumulative bucket counts), safe to snapshot."""
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        for i, bound in enumerate(self.bounds):
+            if value <= bound:
+                self.counts[i] += 1
+                break
+        else:
+            self.counts[-1] += 1
+        self.sum += value
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """``[(le, cumulative count)]`` including ``+Inf``."""
+        out, total = [], 0
+        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts, strict=True):
+            total += count
+            out.append((bound, total))
+        return out
+
+
 #: Callback invoked on the step thread after every step: (engine, step outputs, step seconds).
 StepHook = Callable[[LLMEngine, list[StepOutput], float], None]
 
@@ -93,6 +121,11 @@ class AsyncEngine:
         self._stats = engine.stats()
         # Requests accepted but not yet seen by the step thread count towards the queue bound.
         self._in_flight_adds = 0
+        # Cancellation accounting: how long aborts took to free blocks (step thread), and tokens
+        # produced for consumers that had already gone (event loop).
+        self.abort_latencies: deque[float] = deque(maxlen=4096)
+        self.abort_latency = CumulativeHistogram(ABORT_LATENCY_BUCKETS)
+        self.tokens_after_gone = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -119,6 +152,11 @@ class AsyncEngine:
         """The latest snapshot (taken by the step thread after each step)."""
         return self._stats
 
+    def cancellation_stats(self) -> dict[str, Any]:
+        """Open streams, tokens generated for consumers already gone, abort-latency histogram."""
+        return {"num_streams": len(self._streams), "tokens_after_gone": self.tokens_after_gone,
+                "abort_latency_buckets": self.abort_latency.buckets(), "abort_latency_sum": self.abort_latency.sum}
+
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Stream ``request``'s outputs. Leaving the iteration early (break, cancellation, client
@@ -129,7 +167,8 @@ class AsyncEngine:
         if rid in self._streams:
             raise ValueError(f"request id {rid!r} is already in use")
         if self._stats.num_waiting + self._in_flight_adds >= self.max_waiting:
-            raise QueueFullError(f"{self._stats.num_waiting} requests are waiting (limit {self.max_waiting})")
+            raise QueueFullError(f"The server is busy: {self._stats.num_waiting} requests are waiting "
+                                 f"(limit {self.max_waiting}). Retry later.", retry_after=1.0)
         stream = _Stream()
         self._streams[rid] = stream
         self._in_flight_adds += 1
@@ -156,7 +195,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Ask the step thread to abort ``request_id`` (no-op if unknown or finished)."""
-        self._send("abort", request_id)
+        self._send("abort", (request_id, time.monotonic()))
 
     def _send(self, kind: str, payload: Any) -> None:
         self._inbox.put((kind, payload))
@@ -174,14 +213,23 @@ class AsyncEngine:
                 request, arrival = payload
                 self._deliver_add(request, arrival)
             elif kind == "abort":
-                engine.abort(payload)
+                rid, asked = payload
+                if engine.abort(rid):
+                    # Blocks are free now; the latency runs from the consumer leaving to here.
+                    latency = time.monotonic() - asked
+                    self.abort_latencies.append(latency)
+                    self.abort_latency.observe(latency)
 
     def _deliver_add(self, request: EngineRequest, arrival: float) -> None:
         rid = request.request_id
         try:
-            self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, arrival)
+            req = self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, arrival)
+            req.trace = request.trace_context or None
+            # An empty first item says "accepted": callers can commit to a 200 response now and
+            # still report queue-full or invalid requests with their own status before it.
+            self._call_loop(self._dispatch, [StepOutput(rid, [], num_prompt_tokens=req.num_prompt_tokens)])
         except ValueError as exc:
-            self._call_loop(self._fail_stream, rid, exc)
+            self._call_loop(self._fail_stream, rid, InvalidRequestError(str(exc)))
         finally:
             self._call_loop(self._add_delivered)
 
@@ -198,6 +246,8 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.push(out)
+            elif out.finish_reason != "abort":
+                self.tokens_after_gone += len(out.new_token_ids)  # nobody will read these
 
     def _call_loop(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -115,6 +116,9 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.finished_total: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.num_steps = 0
+        #: Called with every request as it leaves the engine (finished or aborted), on the
+        #: thread that drives ``step()``; used for tracing. Must be cheap.
+        self.on_finish: Callable[[Request], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -213,6 +217,11 @@ class LLMEngine:
     def _retire(self, req: Request) -> None:
         self.finished_total[req.finish_reason or "abort"] += 1
         del self.requests[req.request_id]
+        if self.on_finish is not None:
+            try:
+                self.on_finish(req)
+            except Exception:  # observability must never take the engine down
+                logger.exception("on_finish hook failed for %s", req.request_id)
 
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> EngineStats:

@@ -1,0 +1,91 @@
+"""Typed, validated configuration of the whole application.
+
+``serve_config.yaml`` passes ``args`` to ``graph:build_app``; they are validated here into
+:class:`AppConfig` before anything starts, so a typo fails at deploy time with a clear message and
+the built application can be inspected in tests without running anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from stages.engine.engine import EngineConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineSettings(_Strict):
+    """Engine core settings (see :class:`stages.engine.engine.EngineConfig`)."""
+
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = Field(16, ge=1, le=256)
+    num_kv_blocks: int = Field(0, ge=0)
+    kv_cache_memory_gb: float = Field(1.0, gt=0)
+    num_threads: int = Field(0, ge=0)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    max_num_seqs: int = Field(64, ge=1)
+    long_prefill_token_threshold: int = Field(0, ge=0)
+    max_model_len: int = Field(0, ge=0)
+    enable_prefix_caching: bool = True
+    #: Waiting-queue bound; beyond it requests get 429 with Retry-After.
+    max_waiting_requests: int = Field(256, ge=1)
+
+    def to_engine_config(self, model: str) -> EngineConfig:
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        fields = self.model_dump(exclude={"device", "max_waiting_requests"})
+        return EngineConfig(model=model, device=device, **fields)
+
+
+class HttpSettings(_Strict):
+    """Ingress behaviour."""
+
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    #: Seconds between ``: keep-alive`` SSE comments while nothing else is sent.
+    keepalive_interval_s: float = Field(5.0, gt=0)
+    #: Abort a request that runs longer than this (0: no limit).
+    request_timeout_s: float = Field(0.0, ge=0)
+    #: Log prompts in the per-request log line (off by default), cut to ``max_log_len`` chars.
+    log_prompts: bool = False
+    max_log_len: int = Field(200, ge=0)
+
+
+class TracingSettings(_Strict):
+    """OpenTelemetry export; the standard ``OTEL_*`` environment variables also apply."""
+
+    enabled: bool = False
+    #: OTLP/HTTP endpoint, e.g. ``http://127.0.0.1:4318``; default from ``OTEL_EXPORTER_OTLP_ENDPOINT``.
+    otlp_endpoint: str | None = None
+    service_name: str = "lifecycle-serve"
+    sampling_ratio: float = Field(1.0, ge=0.0, le=1.0)
+    #: Record prompt and completion text on spans (off: never recorded).
+    record_content: bool = False
+
+
+class AppConfig(_Strict):
+    """Everything ``build_app`` needs."""
+
+    model: str = "embedded:smollm2-135m-instruct"
+    served_model_name: str | None = None
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    http: HttpSettings = Field(default_factory=HttpSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
+        if not self.model:
+            raise ValueError("model must be set")
+        return self
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
+        """Validate the ``args`` mapping from ``serve_config.yaml``."""
+        return cls.model_validate(args or {})

@@ -1,0 +1,163 @@
+"""Prometheus metrics: request histograms observed in Ingress, engine gauges and counters at scrape.
+
+Names follow vLLM's after the prefix (``lifecycle:time_to_first_token_seconds`` is
+``vllm:time_to_first_token_seconds``) so existing dashboards port by changing the prefix. The
+engine's gauges and counters live in the engine replica; ``/metrics`` fetches a snapshot with one
+handle call per scrape and renders it next to the Ingress's own request histograms.
+
+TTFT is decomposed into the parts the server can measure: ``prep`` (parse + template + tokenise,
+and the hop to Preprocess), ``queue`` and ``prefill`` (engine clock), and ``first_flush`` (the rest:
+hops back through Egress, detokenise, SSE write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "lifecycle:"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+
+STAGES = ("prep", "queue", "prefill", "decode", "egress")
+
+
+@dataclass
+class RequestRecord:
+    """What Ingress knows when a request completes."""
+
+    kind: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reasons: list[str]
+    #: Stage durations in milliseconds, as returned to the client.
+    timings_ms: dict[str, float]
+    ttft_s: float | None
+    itls_s: list[float] = field(default_factory=list)
+    stream: bool = False
+
+
+class IngressMetrics:
+    """Metrics owned by one Ingress replica plus rendering of engine snapshots."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        reg = self.registry
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...], extra: list[str] | None = None) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels + (extra or []), buckets=buckets, registry=reg)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token, server side.", _LATENCY_BUCKETS)
+        self.ttft_part = hist("time_to_first_token_part_seconds",
+                              "TTFT decomposed: prep, queue, prefill, first_flush.", _LATENCY_BUCKETS, ["part"])
+        self.itl = hist("inter_token_latency_seconds", "Gap between streamed tokens.", _ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency, server side.",
+                        _LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time waiting in the engine queue.", _LATENCY_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "Time in prefill.", _LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "Time in decode.", _LATENCY_BUCKETS)
+        self.stage = hist("request_stage_time_seconds", "Per-stage duration of each request.",
+                          _LATENCY_BUCKETS, ["stage"])
+        self.prompt_len = hist("request_prompt_tokens", "Prompt length in tokens.", _TOKEN_BUCKETS)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens per request.", _TOKEN_BUCKETS)
+        self.success = Counter(PREFIX + "request_success_total", "Finished requests by finish reason.",
+                               labels + ["finished_reason"], registry=reg)
+        self.errors = Counter(PREFIX + "request_errors_total", "Requests answered with an HTTP error.",
+                              labels + ["status"], registry=reg)
+        self.aborts = Counter(PREFIX + "request_aborted_total", "Requests aborted before completing, by why.",
+                              labels + ["reason"], registry=reg)
+
+    def observe_request(self, rec: RequestRecord) -> None:
+        m = self.model_name
+        t = {k: v / 1000.0 for k, v in rec.timings_ms.items()}
+        if rec.ttft_s is not None or not rec.stream:
+            ttft = rec.ttft_s if rec.ttft_s is not None else t["prep"] + t["queue"] + t["prefill"]
+            self.ttft.labels(m).observe(ttft)
+            parts = {"prep": t["prep"], "queue": t["queue"], "prefill": t["prefill"]}
+            parts["first_flush"] = max(ttft - sum(parts.values()), 0.0)
+            for name, value in parts.items():
+                self.ttft_part.labels(m, name).observe(value)
+        for gap in rec.itls_s:
+            self.itl.labels(m).observe(gap)
+        self.e2e.labels(m).observe(t["total"])
+        self.queue.labels(m).observe(t["queue"])
+        self.prefill.labels(m).observe(t["prefill"])
+        self.decode.labels(m).observe(t["decode"])
+        for stage in STAGES:
+            self.stage.labels(m, stage).observe(t[stage])
+        self.prompt_len.labels(m).observe(rec.prompt_tokens)
+        self.gen_len.labels(m).observe(rec.completion_tokens)
+        for reason in rec.finish_reasons:
+            self.success.labels(m, reason).inc()
+
+    def observe_error(self, status: int) -> None:
+        self.errors.labels(self.model_name, str(status)).inc()
+
+    def observe_abort(self, reason: str) -> None:
+        self.aborts.labels(self.model_name, reason).inc()
+        self.success.labels(self.model_name, "abort").inc()
+
+    def render(self, engine_stats: dict[str, Any] | None) -> tuple[str, str]:
+        """Prometheus text of this replica's metrics plus the engine snapshot."""
+        text = generate_latest(self.registry).decode()
+        if engine_stats is not None:
+            reg = CollectorRegistry(auto_describe=False)
+            reg.register(_EngineCollector(self.model_name, engine_stats))
+            text += generate_latest(reg).decode()
+        return text, CONTENT_TYPE_LATEST
+
+
+class _EngineCollector:
+    def __init__(self, model_name: str, stats: dict[str, Any]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self) -> Iterable[Any]:
+        s, m = self.stats, [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the engine's running set.", s["num_running"])
+        yield gauge("num_requests_waiting", "Requests in the engine's waiting queue.", s["num_waiting"])
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s["kv_cache_usage"])
+        yield gauge("num_free_kv_blocks", "KV blocks free or reclaimable.", s["num_free_blocks"])
+        yield gauge("num_kv_blocks", "KV blocks in the pool.", s["num_kv_blocks"])
+        yield gauge("engine_ongoing_streams", "Open request streams in the engine replica (queue depth).",
+                    s.get("num_streams", 0))
+        yield counter("prompt_tokens", "Prompt tokens processed.", s["prompt_tokens_total"])
+        yield counter("generation_tokens", "Tokens generated.", s["generation_tokens_total"])
+        yield counter("num_preemptions", "Preemptions by recompute.", s["num_preemptions"])
+        yield counter("prefix_cache_queries", "Prefix-cache lookups, in tokens.", s["prefix_cache_queries"])
+        yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", s["prefix_cache_hits"])
+        yield counter("tokens_after_client_gone", "Tokens generated after the consumer had gone.",
+                      s.get("tokens_after_gone", 0))
+        fin = CounterMetricFamily(PREFIX + "engine_request_finished", "Requests leaving the engine by reason.",
+                                  labels=["model_name", "finished_reason"])
+        for reason, count in s["finished_total"].items():
+            fin.add_metric(m + [reason], count)
+        yield fin
+        buckets = s.get("abort_latency_buckets")
+        if buckets is not None:
+            h = HistogramMetricFamily(PREFIX + "abort_latency_seconds",
+                                      "Abort asked (stream cancelled in the engine replica) to blocks freed.",
+                                      labels=["model_name"])
+            h.add_metric(m, [(str(b), c) for b, c in buckets], sum_value=s.get("abort_latency_sum", 0.0))
+            yield h

@@ -1,0 +1,124 @@
+"""Preprocess stage: chat template, tokenisation, length checks, final sampling parameters.
+
+:class:`Preprocessor` is plain Python (tested without Ray); :class:`PreprocessDeployment` is the
+thin Ray Serve wrapper. The chat template is the model's own; it silently adds role markers and,
+for many models, a default system prompt, which is why ``/tokenize`` exposes exactly what it made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from ray import serve
+
+from stages.engine.loader import load_tokenizer, model_info
+from stages.errors import ContextLengthExceededError, InvalidRequestError
+from stages.protocol import EngineRequest, PreprocessRequest
+from stages.telemetry import get_tracer, span_from_context
+
+
+class Preprocessor:
+    """Turns messages or a prompt into token ids the engine can run."""
+
+    def __init__(self, model: str, max_model_len: int | None = None, tokenizer: Any | None = None) -> None:
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        info = model_info(model, tokenizer=self.tokenizer)
+        self.max_model_len = max_model_len or info.max_model_len
+        self.vocab_size = len(self.tokenizer)
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Apply the chat template: the exact text the model will see."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # template errors (e.g. unsupported role order) are the client's
+            raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def process(self, req: PreprocessRequest) -> EngineRequest:
+        """Template, tokenise, check lengths and resolve ``max_tokens``."""
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        if req.messages is not None:
+            prompt_text: str | None = self.render(req.messages, req.add_generation_prompt)
+            t1 = time.perf_counter()
+            timings["template"] = t1 - t0
+            # The template already wrote every special token (BOS included when the model uses one).
+            token_ids = self.encode(prompt_text, add_special_tokens=False)
+        elif isinstance(req.prompt, str):
+            prompt_text, t1 = req.prompt, t0
+            token_ids = self.encode(req.prompt, add_special_tokens=True)
+        else:
+            prompt_text, t1 = None, t0
+            token_ids = list(req.prompt or [])
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                                          param="prompt")
+        timings["tokenize"] = time.perf_counter() - t1
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty after tokenisation", param="prompt")
+        n = len(token_ids)
+        room = self.max_model_len - n
+        max_tokens = req.requested_max_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise ContextLengthExceededError(n, max_tokens, self.max_model_len,
+                                             param="messages" if req.messages is not None else "prompt")
+        params = dataclasses.replace(req.sampling_params, max_tokens=max_tokens if max_tokens is not None else room)
+        return EngineRequest(request_id=req.request_id, prompt_token_ids=token_ids, sampling_params=params,
+                             trace_context=req.trace_context, prompt_text=prompt_text, upstream_timings=timings)
+
+    def tokenize(self, *, prompt: str | None, messages: list[dict[str, str]] | None,
+                 add_generation_prompt: bool, add_special_tokens: bool) -> dict[str, Any]:
+        """``/tokenize``: the rendered prompt exactly as the model sees it, its ids and count."""
+        text = self.render(messages, add_generation_prompt) if messages is not None else (prompt or "")
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        return {"prompt": text, "tokens": ids, "count": len(ids), "max_model_len": self.max_model_len,
+                "token_strs": self.tokenizer.convert_ids_to_tokens(ids)}
+
+    def detokenize(self, tokens: list[int]) -> dict[str, Any]:
+        """``/detokenize``: text of the given ids (special tokens kept)."""
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        return {"prompt": self.tokenizer.decode(tokens)}
+
+
+@serve.deployment(name="Preprocess", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
+class PreprocessDeployment:
+    """CPU stage; scale it with ``num_replicas`` independently of the engine."""
+
+    def __init__(self, model: str, max_model_len: int, tracing: dict[str, Any] | None = None) -> None:
+        from stages.telemetry import configure_tracing
+
+        configure_tracing(tracing, component="preprocess")
+        self.pre = Preprocessor(model, max_model_len or None)
+
+    async def process(self, req: PreprocessRequest) -> EngineRequest:
+        with span_from_context(get_tracer(), "preprocess", req.trace_context,
+                               {"lifecycle.request_id": req.request_id}) as span:
+            out = self.pre.process(req)
+            span.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
+            # Template and tokenise as child spans with their measured durations.
+            if span.is_recording():
+                _child_spans(span, out.upstream_timings)
+            return out
+
+    async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.pre.tokenize(**body)
+
+    async def detokenize(self, tokens: list[int]) -> dict[str, Any]:
+        return self.pre.detokenize(tokens)
+
+
+def _child_spans(parent: Any, timings: dict[str, float]) -> None:
+    """Emit ``chat_template`` and ``tokenize`` spans back to back inside ``parent``."""
+    from stages.telemetry import emit_timed_children
+
+    emit_timed_children(parent, [("chat_template", timings.get("template")), ("tokenize", timings.get("tokenize"))])
