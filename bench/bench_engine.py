@@ -473,6 +473,11 @@ def main() -> None:
     ap.add_argument("--b-repeats", type=int, default=None, help="repeats for (b) (default 1)")
     ap.add_argument("--hf-subset", type=int, default=None,
                     help="requests timed for transformers one-at-a-time in (b) (default 4)")
+    ap.add_argument("--wait-load", type=float, default=0.0,
+                    help="before starting, wait until the 1-minute load average is at most this "
+                         "(0: don't wait); other work on the machine distorts every number")
+    ap.add_argument("--wait-max", type=float, default=600.0,
+                    help="give up waiting for --wait-load after this many seconds (default 600)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "engine.json"),
                     help="JSON output (a .md table is written beside it)")
     args = ap.parse_args()
@@ -489,6 +494,10 @@ def main() -> None:
     c_len, c_prefix = (400, 360) if q else (1000, 900)
     torch.set_num_threads(args.threads)
 
+    if args.wait_load > 0:
+        deadline = time.time() + args.wait_max
+        while loadavg() and loadavg()[0] > args.wait_load and time.time() < deadline:
+            time.sleep(5)
     started = time.time()
     load_start = loadavg()
     print(f"load average at start: {load_start}", flush=True)
@@ -498,16 +507,20 @@ def main() -> None:
     res: dict[str, Any] = {
         "command": " ".join([".venv/bin/python", "bench/bench_engine.py", *sys.argv[1:]]),
         "quick": q, "machine": machine_info(args.threads), "model": EMBEDDED_MODEL,
-        "dtype": "float32", "load_average_start": load_start, "parts": {},
+        "dtype": "float32", "load_average_start": load_start, "load_average_by_part": {}, "parts": {},
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
     }
     if "a" in parts:
+        res["load_average_by_part"]["a"] = loadavg()
         res["parts"]["a"] = part_a(b, n_a, rep)
     if "b" in parts:
+        res["load_average_by_part"]["b"] = loadavg()
         res["parts"]["b"] = part_b(b, b_num, b_n, b_rep, subset)
     if "c" in parts:
+        res["load_average_by_part"]["c"] = loadavg()
         res["parts"]["c"] = part_c(b, c_len, c_prefix, rep, [1024, 512])
     if "d" in parts:
+        res["load_average_by_part"]["d"] = loadavg()
         a = res["parts"].get("a")
         if a:
             step_s, hf_tok_s = a["ours_decode_step_s"], a["median_hf_decode_tok_s"]

@@ -179,3 +179,12 @@ def load_state_dict(model: str) -> dict[str, Any]:
     if not state:
         raise FileNotFoundError(f"no weights found in {model_dir}")
     return state
+
+
+if __name__ == "__main__":
+    # `python -m stages.engine.loader [model]`: prepare a model once (used by `make setup`).
+    import sys
+
+    logging.basicConfig(level=logging.INFO)
+    name = sys.argv[1] if len(sys.argv) > 1 else EMBEDDED_MODEL
+    print(model_info(name))

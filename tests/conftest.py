@@ -1,0 +1,89 @@
+"""Shared fixtures. The real Serve app starts once per test session (it takes ~20-40 s here)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.otlp_receiver import OTLPReceiver
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+#: App configuration used by the integration tests: small limits so 413/429/heartbeats are
+#: reachable quickly, tracing on to a real OTLP receiver.
+TEST_ARGS: dict[str, Any] = {
+    "model": "embedded:smollm2-135m-instruct",
+    "engine": {"max_num_seqs": 8, "max_waiting_requests": 8, "max_num_batched_tokens": 256,
+               "kv_cache_memory_gb": 0.5},
+    "http": {"max_body_bytes": 65536, "keepalive_interval_s": 0.5},
+    "tracing": {"enabled": True, "sampling_ratio": 1.0},
+}
+
+
+@dataclass
+class ServeApp:
+    url: str
+    otlp: OTLPReceiver
+    args: dict[str, Any]
+
+    def engine_stats(self) -> dict[str, Any]:
+        """The engine's own stats, straight from its replica."""
+        from ray import serve
+
+        handle = serve.get_deployment_handle("Engine", app_name="lifecycle")
+        return handle.stats.remote().result(timeout_s=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def serve_app() -> Iterator[ServeApp]:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+    import ray
+    from ray import serve
+
+    from graph import build_app
+
+    otlp = OTLPReceiver()
+    args = {**TEST_ARGS, "tracing": {**TEST_ARGS["tracing"], "otlp_endpoint": otlp.endpoint}}
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(args), name="lifecycle", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the Serve app did not become healthy in 300 s")
+        time.sleep(1)
+    try:
+        yield ServeApp(url=url, otlp=otlp, args=args)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        otlp.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that use the real Serve app get the ``serve`` marker (``-m "not serve"`` skips them)."""
+    for item in items:
+        if "serve_app" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.serve)

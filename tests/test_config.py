@@ -1,0 +1,70 @@
+"""Configuration: the shipped configs validate and the built application has the intended shape.
+
+Nothing here starts Ray: building an application only records deployments and their options.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from graph import build_app
+from stages.config import AppConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _serve_config() -> dict:
+    return yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+
+
+def _k8s_serve_config() -> dict:
+    service = next(yaml.safe_load_all((ROOT / "k8s" / "rayservice.yaml").read_text()))
+    return yaml.safe_load(service["spec"]["serveConfigV2"])
+
+
+@pytest.mark.parametrize("config", [_serve_config, _k8s_serve_config], ids=["serve_config", "k8s"])
+def test_shipped_configs_validate(config):
+    cfg = config()
+    app = cfg["applications"][0]
+    assert app["import_path"] == "graph:build_app"
+    AppConfig.from_args(app["args"])
+    names = {d["name"] for d in app["deployments"]}
+    assert names == {"Ingress", "Preprocess", "Egress", "Engine"}
+
+
+def test_serve_config_binds_loopback():
+    assert _serve_config()["http_options"]["host"] == "127.0.0.1"
+
+
+def test_fractional_cpus_fit_two_cores():
+    deployments = _serve_config()["applications"][0]["deployments"]
+    total = sum(d["num_replicas"] * d["ray_actor_options"]["num_cpus"] for d in deployments)
+    assert total <= 2.0, total
+
+
+def test_typo_in_args_is_rejected():
+    with pytest.raises(ValidationError, match="max_num_seq"):
+        AppConfig.from_args({"engine": {"max_num_seq": 4}})
+    with pytest.raises(ValidationError):
+        AppConfig.from_args({"engine": {"block_size": 0}})
+
+
+def test_build_app_graph_shape():
+    app = build_app({"engine": {"max_num_seqs": 4}})
+    ingress = app._bound_deployment
+    assert ingress.name == "Ingress"
+    preprocess, egress, engine, app_config = ingress.init_args
+    assert preprocess._bound_deployment.name == "Preprocess"
+    assert egress._bound_deployment.name == "Egress"
+    assert engine._bound_deployment.name == "Engine"
+    # Egress and Ingress share the same engine deployment (one engine, two handles).
+    assert egress._bound_deployment.init_args[0]._bound_deployment.name == "Engine"
+    assert app_config["engine"]["max_num_seqs"] == 4
+    # CPU stages take a fraction of a core; the engine a whole one.
+    assert preprocess._bound_deployment.ray_actor_options["num_cpus"] < 1
+    assert engine._bound_deployment.ray_actor_options["num_cpus"] == 1
+    assert engine._bound_deployment.max_ongoing_requests >= 256
