@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from fakes import check_block_manager
 
 import stages.engine.block_manager as block_manager_module
 from stages.engine.block_manager import BlockManager
 from stages.engine.request import Request
 from stages.protocol import SamplingParams
+from tests.fakes import check_block_manager
 
 BS = 4
 

@@ -5,13 +5,13 @@ state machine checking the KV bookkeeping after every operation."""
 from __future__ import annotations
 
 import pytest
-from fakes import VOCAB, check_engine, make_engine, params, reference, run_all
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from stages.engine.engine import LLMEngine
 from stages.engine.request import EventType, RequestStatus
+from tests.fakes import VOCAB, check_engine, make_engine, params, reference, run_all
 
 
 def prompt(n: int, first: int = 0, alphabet: int = 40) -> list[int]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
-from fakes import check_block_manager
 
 from stages.engine.block_manager import BlockManager
 from stages.engine.request import EventType, Request, RequestStatus
 from stages.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from stages.protocol import SamplingParams
+from tests.fakes import check_block_manager
 
 BS = 4
 

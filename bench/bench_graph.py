@@ -1,0 +1,146 @@
+"""The full graph over HTTP versus the same engine called in-process, in one run.
+
+In-process: ``AsyncEngine`` (the engine core on its step thread) driven from asyncio in this
+process, prompts pre-tokenised. Graph: the real Serve app on loopback (Ingress → Preprocess →
+Egress → Engine), text prompts over HTTP with SSE, measured by an httpx client in this process.
+Same engine settings, same prompts (the graph tokenises them to the same ids), same token counts.
+
+    .venv/bin/python bench/bench_graph.py            # full run (~6-10 min on 2 cores)
+    .venv/bin/python bench/bench_graph.py --quick    # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import MODEL_NAME, ServeApp, machine, pct, stream_completion  # noqa: E402
+from stages.config import EngineSettings  # noqa: E402
+from stages.engine.loader import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
+from stages.protocol import EngineRequest, SamplingParams  # noqa: E402
+
+TOPICS = ["rivers", "volcanoes", "bridges", "bees", "libraries", "glaciers", "trains", "forests"]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a detailed essay about {TOPICS[i % len(TOPICS)]} number {i}:" for i in range(n)]
+
+
+# -- in-process ----------------------------------------------------------------------------------
+async def inproc_one(engine: Any, rid: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    ttft, times, n = None, [], 0
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    async for out in engine.generate(EngineRequest(rid, ids, params)):
+        if out.new_token_ids:
+            now = time.perf_counter()
+            ttft = ttft if ttft is not None else now - t0
+            # A coalesced item carries several tokens: spread its gap evenly over them.
+            times.extend([now] * len(out.new_token_ids))
+            n += len(out.new_token_ids)
+    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "times": times, "n": n}
+
+
+async def inproc_suite(settings: EngineSettings, tok: Any, a: argparse.Namespace) -> dict[str, Any]:
+    from stages.engine.async_engine import AsyncEngine
+    from stages.engine.engine import LLMEngine
+
+    engine = AsyncEngine(LLMEngine.from_config(settings.to_engine_config(EMBEDDED_MODEL)))
+    engine.start()
+    try:
+        return await _suite(lambda i, text, mt: inproc_one(engine, f"r{i}-{time.monotonic_ns()}",
+                                                           tok(text)["input_ids"], mt), a)
+    finally:
+        engine.shutdown()
+
+
+# -- graph -----------------------------------------------------------------------------------------
+async def graph_suite(url: str, a: argparse.Namespace) -> dict[str, Any]:
+    limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def one(i: int, text: str, mt: int) -> dict[str, Any]:
+            r = await stream_completion(client, url, {"model": MODEL_NAME, "prompt": text, "max_tokens": mt,
+                                                      "temperature": 0, "ignore_eos": True})
+            return {"ttft": r.ttft, "e2e": r.e2e, "times": r.token_times, "n": r.num_tokens}
+        return await _suite(one, a)
+
+
+async def _suite(one: Any, a: argparse.Namespace) -> dict[str, Any]:
+    """Idle TTFT/ITL (sequential), 1-stream and N-stream throughput."""
+    texts = prompts(max(a.streams, a.idle_reps))
+    await one(0, "warm up", 4)
+    idle = [await one(i, texts[i], a.idle_tokens) for i in range(a.idle_reps)]
+    itls = [b - x for r in idle for x, b in zip(r["times"], r["times"][1:], strict=False)]
+    single = await one(99, texts[0], a.tokens)
+    t0 = time.perf_counter()
+    many = await asyncio.gather(*[one(1000 + i, texts[i], a.tokens) for i in range(a.streams)])
+    wall = time.perf_counter() - t0
+    total = sum(r["n"] for r in many)
+    assert total == a.streams * a.tokens, total
+    many_itls = [b - x for r in many for x, b in zip(r["times"], r["times"][1:], strict=False) if b > x]
+    return {
+        "idle_ttft_p50_ms": pct([r["ttft"] for r in idle], 50) * 1e3,
+        "idle_ttft_p95_ms": pct([r["ttft"] for r in idle], 95) * 1e3,
+        "idle_itl_p50_ms": pct(itls, 50) * 1e3,
+        "idle_itl_p95_ms": pct(itls, 95) * 1e3,
+        "tok_s_1": single["n"] / (single["e2e"]),
+        f"tok_s_{a.streams}": total / wall,
+        f"ttft_p50_ms_{a.streams}": statistics.median(r["ttft"] for r in many) * 1e3,
+        # Distinct arrival times per stream at N streams: how many tokens each SSE event carried.
+        f"tokens_per_event_{a.streams}": total / max(1, sum(len(set(r["times"])) for r in many)),
+        f"itl_p50_ms_{a.streams}": pct(many_itls, 50) * 1e3,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--idle-reps", type=int, default=10)
+    p.add_argument("--idle-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2, help="torch threads in the engine (both sides)")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default="bench/results/graph.json")
+    a = p.parse_args()
+    if a.quick:
+        a.streams, a.tokens, a.idle_reps, a.idle_tokens = 8, 32, 3, 16
+    settings = EngineSettings(num_threads=a.threads, max_num_seqs=64, max_num_batched_tokens=512)
+    tok = load_tokenizer(EMBEDDED_MODEL)
+    env = machine()
+    print("machine:", env, flush=True)
+    inproc = asyncio.run(inproc_suite(settings, tok, a))
+    print("in-process:", json.dumps(inproc, indent=1), flush=True)
+    app = ServeApp({"engine": settings.model_dump(), "http": {"keepalive_interval_s": 5.0}})
+    try:
+        graph = asyncio.run(graph_suite(app.url, a))
+    finally:
+        app.close()
+    print("graph:", json.dumps(graph, indent=1), flush=True)
+    n = a.streams
+    ratios = {
+        f"throughput_ratio_{n}": graph[f"tok_s_{n}"] / inproc[f"tok_s_{n}"],
+        "throughput_ratio_1": graph["tok_s_1"] / inproc["tok_s_1"],
+        "idle_ttft_added_ms_p50": graph["idle_ttft_p50_ms"] - inproc["idle_ttft_p50_ms"],
+    }
+    result = {"args": vars(a), "machine": env, "in_process": inproc, "graph": graph, "ratios": ratios}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=1))
+    rows = [(k, inproc[k], graph[k]) for k in inproc]
+    print("\n| metric | in-process | graph (HTTP) |\n|---|---|---|")
+    for k, x, g in rows:
+        print(f"| {k} | {x:.2f} | {g:.2f} |")
+    print("\nratios:", json.dumps(ratios, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Shared benchmark helpers: start/stop the real Serve app in-process, an SSE client, statistics."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on."""
+    cpu = "unknown"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpus": os.cpu_count(), "cpu": cpu, "mem_gb": round(mem_gb, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "load_avg": os.getloadavg(),
+            "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+
+
+def pct(values: list[float], q: float) -> float:
+    """Percentile by linear interpolation (q in 0..100)."""
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, int(q) - 1))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServeApp:
+    """The real application on loopback, started in this process (as the tests do)."""
+
+    def __init__(self, args: dict[str, Any], num_cpus: int = 4) -> None:
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+        import ray
+        from ray import serve
+
+        from graph import build_app
+
+        self.port = _free_port()
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}})
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        serve.run(build_app(args), name="lifecycle", route_prefix="/", blocking=False)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("app did not become healthy")
+            time.sleep(1)
+
+    def engine_stats(self) -> dict[str, Any]:
+        from ray import serve
+
+        return serve.get_deployment_handle("Engine", app_name="lifecycle").stats.remote().result(timeout_s=10)
+
+    def close(self) -> None:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+
+
+@dataclass
+class StreamResult:
+    ttft: float
+    e2e: float
+    token_times: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+    final: dict[str, Any] | None = None
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> StreamResult:
+    """POST a streaming completion; time the first content chunk and every later one."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    times: list[float] = []
+    final = None
+    async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                if chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    ttft = ttft if ttft is not None else now - t0
+                    times.append(now)
+            else:
+                final = chunk
+    e2e = time.perf_counter() - t0
+    n = final["usage"]["completion_tokens"] if final and final.get("usage") else len(times)
+    return StreamResult(ttft=ttft if ttft is not None else e2e, e2e=e2e, token_times=times, num_tokens=n, final=final)
