@@ -105,19 +105,19 @@ class ContextLengthExceededError(InvalidRequestError):
         *,
         param: str | None = "messages",
     ) -> None:
+        what = "prompt" if param == "prompt" else "messages"
         if max_tokens:
             message = (
                 f"This model's maximum context length is {max_model_len} tokens. However, you "
-                f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, "
-                f"{max_tokens} in the completion). Please reduce the length of the messages or "
+                f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {what}, "
+                f"{max_tokens} in the completion). Please reduce the length of the {what} or "
                 "completion."
             )
         else:
             # No completion budget asked (or resolved): the prompt alone does not fit.
             message = (
                 f"This model's maximum context length is {max_model_len} tokens. However, your "
-                f"messages resulted in {prompt_tokens} tokens. Please reduce the length of the "
-                "messages."
+                f"{what} resulted in {prompt_tokens} tokens. Please reduce the length of the {what}."
             )
         super().__init__(message, param=param)
         self.prompt_tokens = prompt_tokens

@@ -43,7 +43,6 @@ from stages.errors import (
 )
 from stages.metrics import IngressMetrics, RequestRecord
 from stages.openai_format import (
-    SSE_DONE,
     SSE_HEADERS,
     SSE_KEEPALIVE,
     TIMING_FIELD,
@@ -67,6 +66,8 @@ from stages.telemetry import configure_tracing, extract, get_tracer, inject
 logger = logging.getLogger("lifecycle.ingress")
 
 VERSION = "0.1.0"
+#: Response header with the engine-side request id when it differs from ``X-Request-Id``.
+ENGINE_ID_HEADER = "X-Engine-Request-Id"
 MAX_REQUEST_ID_LEN = 128
 
 
@@ -118,12 +119,14 @@ class _Live:
         return time.perf_counter() - self.t0
 
     def id_header(self) -> dict[str, str]:
-        """Ray Serve's proxy already echoes the incoming (or its minted) ``X-Request-Id``; add ours
-        only when it differs, i.e. when a live duplicate made us suffix it."""
-        return {} if self.request_id == self.incoming_id else {"X-Request-Id": self.request_id}
+        """Ray Serve's proxy always echoes the incoming (or its own minted) ``X-Request-Id``, so a
+        second value there would conflict. When a live duplicate made us suffix the id, the id the
+        engine, logs and trace use goes in ``X-Engine-Request-Id`` (and in the response ``id``)."""
+        return {} if self.request_id == self.incoming_id else {ENGINE_ID_HEADER: self.request_id}
 
 
-@serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25})
+@serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25},
+                  graceful_shutdown_timeout_s=10)
 @serve.ingress()
 class Ingress:
     """HTTP front door. Handles to the other stages are created once and reused."""
@@ -291,10 +294,12 @@ class Ingress:
         pending: asyncio.Task[Any] | None = None
         finished = False
         item: Any = first
+        events = 0  # Egress numbers its events from 0; the closing events continue the count
         try:
             while True:
                 if isinstance(item, tuple):
                     frame, num_tokens = item
+                    events += 1
                     if num_tokens:
                         self._mark_tokens(live, num_tokens)
                     yield frame
@@ -303,8 +308,8 @@ class Ingress:
                     usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
                                   if job.include_usage else None)
                     yield sse_event(final_stream_chunk(job.kind, job.response_id, job.created, job.model_name,
-                                                       usage_body, timings))
-                    yield SSE_DONE
+                                                       usage_body, timings), events)
+                    yield sse_event("[DONE]", events + 1)
                     finished = True
                     self._finish(live, job, item, timings)
                     return
@@ -319,8 +324,8 @@ class Ingress:
                     if deadline is not None and time.perf_counter() >= deadline:
                         live.outcome = "timeout"
                         err = RequestTimeoutError()
-                        yield sse_event(err.to_dict())
-                        yield SSE_DONE
+                        yield sse_event(err.to_dict(), events)
+                        yield sse_event("[DONE]", events + 1)
                         return
                     yield SSE_KEEPALIVE  # also how a dead client is noticed during long silences
                 item = pending.result()
@@ -336,8 +341,8 @@ class Ingress:
             if not isinstance(err, ServeError):
                 logger.exception("stream %s failed", live.request_id, exc_info=err)
                 err = InternalServerError(f"Internal server error: {type(err).__name__}")
-            yield sse_event(err.to_dict())
-            yield SSE_DONE
+            yield sse_event(err.to_dict(), events)
+            yield sse_event("[DONE]", events + 1)
         finally:
             if pending is not None:
                 pending.cancel()

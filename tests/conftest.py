@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,11 +36,35 @@ class ServeApp:
     args: dict[str, Any]
 
     def engine_stats(self) -> dict[str, Any]:
-        """The engine's own stats, straight from its replica."""
-        from ray import serve
+        """The engine's own stats, straight from its replica.
 
-        handle = serve.get_deployment_handle("Engine", app_name="lifecycle")
-        return handle.stats.remote().result(timeout_s=10)
+        With ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` a handle's router runs on the caller's event loop
+        (``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP`` defaults to 0), so a blocking ``.result()`` from
+        plain test code fails with "No event loop running". The call therefore runs on one private
+        event loop thread, where the handle is created once and reused.
+        """
+        return asyncio.run_coroutine_threadsafe(_engine_stats(), _handle_loop()).result(timeout=10)
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_ENGINE_HANDLE: Any = None
+
+
+def _handle_loop() -> asyncio.AbstractEventLoop:
+    global _LOOP
+    if _LOOP is None:
+        _LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_LOOP.run_forever, name="serve-handle-loop", daemon=True).start()
+    return _LOOP
+
+
+async def _engine_stats() -> dict[str, Any]:
+    global _ENGINE_HANDLE
+    from ray import serve
+
+    if _ENGINE_HANDLE is None:
+        _ENGINE_HANDLE = serve.get_deployment_handle("Engine", app_name="lifecycle")
+    return await _ENGINE_HANDLE.stats.remote()
 
 
 def _free_port() -> int:

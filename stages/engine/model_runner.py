@@ -86,6 +86,11 @@ class ModelRunner:
         bs = self.block_size
         return [block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def _context_slots(self, tables: torch.Tensor, width: int) -> torch.Tensor:
+        """``[B, width]`` cache slots of positions ``0..width-1`` given ``[B, blocks]`` tables."""
+        pos = torch.arange(width)
+        return tables[:, pos // self.block_size] * self.block_size + pos % self.block_size
+
     def prepare(self, batch: list[ScheduledRequest]) -> tuple[torch.Tensor, AttentionMetadata, list[ScheduledRequest]]:
         """Flatten the batch (single-token queries first) and build the attention metadata.
 
@@ -112,17 +117,21 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
         if decodes:
-            ctx_lens = [s.start + 1 for s in decodes]
-            width = max(ctx_lens)
-            table = [self._slots(s.request.block_table, 0, n) + [0] * (width - n) for s, n in zip(decodes, ctx_lens, strict=True)]
+            # Context slots of every decode, vectorised: slot(p) = table[p // bs] * bs + p % bs.
+            ctx_lens = torch.tensor([s.start + 1 for s in decodes])
+            width = int(ctx_lens.max())
+            nb = -(-width // self.block_size)
+            tables = torch.tensor([s.request.block_table[:nb] + [0] * (nb - len(s.request.block_table[:nb]))
+                                   for s in decodes], dtype=torch.long)
             meta.num_decodes = len(decodes)
-            meta.decode_slots = torch.tensor(table, dtype=torch.long, device=dev)
-            lens = torch.tensor(ctx_lens, device=dev)
-            meta.decode_mask = (torch.arange(width, device=dev)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_slots = self._context_slots(tables, width).to(dev)
+            meta.decode_mask = (torch.arange(width)[None, :] < ctx_lens[:, None])[:, None, None, :].to(dev)
         offset = len(decodes)
         for s in prefills:
             start, n = s.start, s.num_new_tokens
-            ctx = torch.tensor(self._slots(s.request.block_table, 0, start + n), dtype=torch.long, device=dev)
+            nb = -(-(start + n) // self.block_size)
+            table = torch.tensor([s.request.block_table[:nb]], dtype=torch.long)
+            ctx = self._context_slots(table, start + n)[0].to(dev)
             # Query i sits at position start+i and sees every context position <= its own.
             q_pos = torch.arange(start, start + n, device=dev)[:, None]
             mask = torch.arange(start + n, device=dev)[None, :] <= q_pos
