@@ -85,7 +85,7 @@ class FakeRunner:
             tokens = req.all_token_ids
             table = req.block_table
             assert req.status is RequestStatus.RUNNING, req.status
-            assert start + n <= len(tokens)
+            assert 1 <= n and start + n <= len(tokens), (req.request_id, start, n)
             assert len(table) * self.block_size >= start + n, (req.request_id, table, start, n)
             if self.strict and start > 0:
                 expected = states(tokens[:start])
