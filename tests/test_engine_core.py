@@ -459,6 +459,6 @@ class EngineMachine(RuleBasedStateMachine):
             self.drain()
 
 
-EngineMachine.TestCase.settings = settings(max_examples=120, stateful_step_count=40, deadline=None,
+EngineMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
 test_engine_state_machine = EngineMachine.TestCase

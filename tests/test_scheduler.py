@@ -199,8 +199,10 @@ def test_preempts_newest_running_request_to_front_of_queue():
     # Next step it is admitted again, first, and recomputes prompt + output tokens (its cached
     # blocks were reclaimed meanwhile); the pool is then full again, so ``late`` still waits.
     sched.finish(r1, RequestStatus.FINISHED_LENGTH)
+    queries = sched.block_manager.stats.queries
     out = step(sched)
     assert plan(out) == [("r2", 1), ("r3", 9)]
+    assert sched.block_manager.stats.queries == queries + 9  # each admission looks up all its tokens
     assert list(sched.waiting) == [late]
     assert r3.status is RequestStatus.RUNNING
     assert [e.type for e in r3.events].count(EventType.RESUMED) == 1
