@@ -97,6 +97,29 @@ def loadavg() -> list[float]:
         return []
 
 
+class CpuMonitor:
+    """CPU time used by *other* processes while a part runs (machine busy time from /proc/stat
+    minus this process's own CPU time), in cores: 0 means we had the machine to ourselves."""
+
+    def __init__(self) -> None:
+        self.t0 = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        busy = float("nan")
+        try:
+            f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+            busy = (sum(f[:8]) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle, iowait
+        except (OSError, ValueError):
+            pass
+        return time.perf_counter(), busy, time.process_time()
+
+    def other_cores(self) -> float:
+        wall0, busy0, own0 = self.t0
+        wall1, busy1, own1 = self._sample()
+        return round(max(0.0, (busy1 - busy0) - (own1 - own0)) / max(wall1 - wall0, 1e-9), 2)
+
+
 def machine_info(threads: int) -> dict[str, Any]:
     cpu = "unknown"
     try:
@@ -319,7 +342,8 @@ def part_b(b: Bench, num: int, n: int, repeats: int, subset: int) -> dict[str, A
             times.append(h["wall_s"])
             match_seq.append(match_prefix(o["tokens"][i], h["tokens"]))
         seq_per_req.extend(times)
-        seq.append(n / statistics.mean(times))  # = total / (num * mean per-request time)
+        # Extrapolated: all requests take the median per-request time (robust to a stray slow one).
+        seq.append(n / median(times))  # = num * n / (num * median per-request time)
         s = b.hf_static(prompts, n)
         static.append(total / s["wall_s"])
         print(f"    repeat {r}: ours {ours[-1]:.1f} tok/s ({o['wall_s']:.1f}s, {o['num_steps']} steps), "
@@ -470,7 +494,7 @@ def main() -> None:
     ap.add_argument("--parts", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats for (a) and (c) (default 3)")
-    ap.add_argument("--b-repeats", type=int, default=None, help="repeats for (b) (default 1)")
+    ap.add_argument("--b-repeats", type=int, default=None, help="repeats for (b) (default 2)")
     ap.add_argument("--hf-subset", type=int, default=None,
                     help="requests timed for transformers one-at-a-time in (b) (default 4)")
     ap.add_argument("--wait-load", type=float, default=0.0,
@@ -489,7 +513,7 @@ def main() -> None:
     n_a = 32 if q else 128
     rep = args.repeats or (1 if q else 3)
     b_num, b_n = (8, 32) if q else (32, 128)
-    b_rep = args.b_repeats or 1
+    b_rep = args.b_repeats or (1 if q else 2)
     subset = args.hf_subset or (2 if q else 4)
     c_len, c_prefix = (400, 360) if q else (1000, 900)
     torch.set_num_threads(args.threads)
@@ -507,31 +531,42 @@ def main() -> None:
     res: dict[str, Any] = {
         "command": " ".join([".venv/bin/python", "bench/bench_engine.py", *sys.argv[1:]]),
         "quick": q, "machine": machine_info(args.threads), "model": EMBEDDED_MODEL,
-        "dtype": "float32", "load_average_start": load_start, "load_average_by_part": {}, "parts": {},
+        "dtype": "float32", "load_average_start": load_start, "load_average_by_part": {},
+        "other_processes_cpu_cores_by_part": {}, "parts": {},
         "started_at": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
     }
     if "a" in parts:
         res["load_average_by_part"]["a"] = loadavg()
+        mon = CpuMonitor()
         res["parts"]["a"] = part_a(b, n_a, rep)
+        res["other_processes_cpu_cores_by_part"]["a"] = mon.other_cores()
     if "b" in parts:
         res["load_average_by_part"]["b"] = loadavg()
+        mon = CpuMonitor()
         res["parts"]["b"] = part_b(b, b_num, b_n, b_rep, subset)
+        res["other_processes_cpu_cores_by_part"]["b"] = mon.other_cores()
     if "c" in parts:
         res["load_average_by_part"]["c"] = loadavg()
+        mon = CpuMonitor()
         res["parts"]["c"] = part_c(b, c_len, c_prefix, rep, [1024, 512])
+        res["other_processes_cpu_cores_by_part"]["c"] = mon.other_cores()
     if "d" in parts:
         res["load_average_by_part"]["d"] = loadavg()
+        mon = CpuMonitor()
         a = res["parts"].get("a")
         if a:
             step_s, hf_tok_s = a["ours_decode_step_s"], a["median_hf_decode_tok_s"]
         else:
             step_s, hf_tok_s = b.ours_single(b.window(0, 32), 33)["decode_step_s"], None
         res["parts"]["d"] = part_d(b, step_s, 512 << 20, 3 if q else 7, hf_tok_s)
+        res["other_processes_cpu_cores_by_part"]["d"] = mon.other_cores()
         if a:  # keep the JSON small: the per-step list lives in (d) only as its median
             del a["ours_decode_step_s"]
     res["load_average_end"] = loadavg()
     res["elapsed_s"] = time.time() - started
     table = markdown(res)
+    if q:
+        table += "\n_--quick: smaller workloads than the goals are stated for; a smoke check only._\n"
     res["markdown_table"] = table
 
     out = Path(args.out)
@@ -540,9 +575,11 @@ def main() -> None:
     out.with_suffix(".md").write_text(
         f"Command: `{res['command']}`\n\n"
         f"Load average start {res['load_average_start']}, end {res['load_average_end']}; "
-        f"{res['elapsed_s']:.0f}s\n\n" + table)
+        f"CPU used by other processes during each part (cores of {res['machine']['nproc']}): "
+        f"{res['other_processes_cpu_cores_by_part']}; {res['elapsed_s']:.0f}s\n\n" + table)
     print()
     print(table)
+    print(f"other processes' CPU use by part (cores): {res['other_processes_cpu_cores_by_part']}")
     print(f"load average: start {load_start}, end {res['load_average_end']}; "
           f"elapsed {res['elapsed_s']:.0f}s; wrote {out} and {out.with_suffix('.md')}")
 
