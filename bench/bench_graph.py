@@ -108,7 +108,8 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--idle-reps", type=int, default=10)
     p.add_argument("--idle-tokens", type=int, default=32)
-    p.add_argument("--threads", type=int, default=2, help="torch threads in the engine (both sides)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads in the engine, both sides (1: the graph's other stages need the other core)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/graph.json")
     a = p.parse_args()

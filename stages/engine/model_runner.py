@@ -125,7 +125,9 @@ class ModelRunner:
                                    for s in decodes], dtype=torch.long)
             meta.num_decodes = len(decodes)
             meta.decode_slots = self._context_slots(tables, width).to(dev)
-            meta.decode_mask = (torch.arange(width)[None, :] < ctx_lens[:, None])[:, None, None, :].to(dev)
+            pad = torch.arange(width)[None, :] >= ctx_lens[:, None]
+            mask = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
+            meta.decode_mask = mask[:, None, None, :].to(dev)  # additive: cheaper than a bool mask
         offset = len(decodes)
         for s in prefills:
             start, n = s.start, s.num_new_tokens
