@@ -18,6 +18,7 @@ from stages.errors import (
     PayloadTooLargeError,
     QueueFullError,
     RequestCancelledError,
+    RequestTimeoutError,
     ServeError,
 )
 
@@ -34,6 +35,7 @@ INSTANCES: list[ServeError] = [
     EngineUnavailableError("engine died"),
     InternalServerError(),
     RequestCancelledError(),
+    RequestTimeoutError(),
 ]
 
 EXPECTED_STATUS = {
@@ -48,6 +50,7 @@ EXPECTED_STATUS = {
     EngineUnavailableError: 503,
     InternalServerError: 500,
     RequestCancelledError: 499,
+    RequestTimeoutError: 504,
 }
 
 

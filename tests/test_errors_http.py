@@ -81,7 +81,7 @@ CASES: dict[str, Case] = {
     "token id outside vocab": Case(_c(prompt=[1, 2, 10**9]), param="prompt", message="outside the vocabulary"),
     "empty stop string": Case(_c(stop=[""]), param="stop.0"),
     "context exceeded": Case(_c(max_tokens=100000), param="prompt", code="context_length_exceeded",
-                             message=r"maximum context length is \d+ tokens.*\(\d+ in the messages, "
+                             message=r"maximum context length is \d+ tokens.*\(\d+ in the prompt, "
                                      r"100000 in the completion\)"),
     "context exceeded chat": Case(_chat(max_completion_tokens=100000), param="messages",
                                   code="context_length_exceeded", path="/v1/chat/completions",
