@@ -61,7 +61,7 @@ from stages.openai_schema import (
     to_sampling_params,
 )
 from stages.protocol import EngineRequest, GenerationJob, PreprocessRequest
-from stages.telemetry import configure_tracing, extract, get_tracer, inject
+from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
 
 logger = logging.getLogger("lifecycle.ingress")
 
@@ -133,6 +133,7 @@ class Ingress:
 
     def __init__(self, preprocess: Any, egress: Any, engine: Any, app_config: dict[str, Any]) -> None:
         self.cfg = AppConfig.from_args(app_config)
+        configure_logging()
         configure_tracing(self.cfg.tracing, component="ingress")
         self.preprocess = preprocess
         self.egress = egress
@@ -351,7 +352,7 @@ class Ingress:
                 self.metrics.observe_abort(live.outcome)
                 live.span.add_event("abort", {"reason": live.outcome})
                 self._end_span(live.span, None)
-                self._log(live, None, None)
+                self._log(live, None, None, job.engine_request.prompt_text)
             self.live_ids.discard(live.request_id)
 
     # -- accounting -----------------------------------------------------------------------------------
@@ -381,7 +382,7 @@ class Ingress:
             kind=live.kind, prompt_tokens=summary.prompt_tokens, completion_tokens=summary.completion_tokens,
             finish_reasons=summary.finish_reasons, timings_ms=timings, ttft_s=live.ttft, itls_s=live.itls,
             stream=job.stream))
-        self._log(live, summary, timings)
+        self._log(live, summary, timings, job.engine_request.prompt_text)
 
     def _end_span(self, span: Any, exc: BaseException | None) -> None:
         if exc is not None and span.is_recording():
@@ -392,7 +393,8 @@ class Ingress:
                 span.set_status(Status(StatusCode.ERROR, type(err).__name__))
         span.end()
 
-    def _log(self, live: _Live, summary: Any, timings: dict[str, float] | None) -> None:
+    def _log(self, live: _Live, summary: Any, timings: dict[str, float] | None, prompt: str | None) -> None:
+        """One structured line per finished request; the prompt only when enabled, cut short."""
         ctx = live.span.get_span_context()
         record: dict[str, Any] = {
             "event": "request_finished", "request_id": live.request_id,
@@ -402,7 +404,9 @@ class Ingress:
         if summary is not None:
             record.update(prompt_tokens=summary.prompt_tokens, completion_tokens=summary.completion_tokens,
                           cached_tokens=summary.cached_tokens, finish_reasons=summary.finish_reasons)
-        logger.info(json.dumps(record, separators=(",", ":")))
+        if self.cfg.http.log_prompts and prompt is not None:
+            record["prompt"] = prompt[: self.cfg.http.max_log_len]
+        logger.info(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
 
     # -- other routes ---------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:

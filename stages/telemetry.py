@@ -49,6 +49,18 @@ def tracing_enabled(settings: Any) -> bool:
         os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
 
 
+def configure_logging(level: int = logging.INFO) -> None:
+    """Send this project's ``lifecycle.*`` log records to stderr (Ray captures each replica's
+    stderr into its worker log and ``serve run`` shows it). Idempotent."""
+    root = logging.getLogger("lifecycle")
+    root.setLevel(level)
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        root.addHandler(handler)
+        root.propagate = False
+
+
 def configure_tracing(settings: Any, component: str) -> bool:
     """Install an OTLP-exporting tracer provider in this process if tracing is enabled.
 

@@ -34,6 +34,8 @@ class ServeApp:
     url: str
     otlp: OTLPReceiver
     args: dict[str, Any]
+    #: Ray's session directory; replicas' stderr lands in ``logs/worker-*.err``.
+    session_dir: str = ""
 
     def engine_stats(self) -> dict[str, Any]:
         """The engine's own stats, straight from its replica.
@@ -85,7 +87,7 @@ def serve_app() -> Iterator[ServeApp]:
     otlp = OTLPReceiver()
     args = {**TEST_ARGS, "tracing": {**TEST_ARGS["tracing"], "otlp_endpoint": otlp.endpoint}}
     port = _free_port()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ctx = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(args), name="lifecycle", route_prefix="/", blocking=False)
@@ -101,7 +103,7 @@ def serve_app() -> Iterator[ServeApp]:
             raise RuntimeError("the Serve app did not become healthy in 300 s")
         time.sleep(1)
     try:
-        yield ServeApp(url=url, otlp=otlp, args=args)
+        yield ServeApp(url=url, otlp=otlp, args=args, session_dir=ctx.address_info["session_dir"])
     finally:
         serve.shutdown()
         ray.shutdown()

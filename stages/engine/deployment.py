@@ -33,8 +33,9 @@ class EngineDeployment:
     def __init__(self, model: str, engine: dict[str, Any] | None = None,
                  tracing: dict[str, Any] | None = None) -> None:
         from stages.engine.tracing import EngineTracer
-        from stages.telemetry import configure_tracing
+        from stages.telemetry import configure_logging, configure_tracing
 
+        configure_logging()
         configure_tracing(tracing, component="engine")
         self.settings = EngineSettings(**(engine or {}))
         self.engine = LLMEngine.from_config(self.settings.to_engine_config(model))
