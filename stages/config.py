@@ -56,6 +56,8 @@ class HttpSettings(_Strict):
     #: Log prompts in the per-request log line (off by default), cut to ``max_log_len`` chars.
     log_prompts: bool = False
     max_log_len: int = Field(200, ge=0)
+    #: Also append the per-request JSON lines to this file (one object per line).
+    request_log_file: str | None = None
 
 
 class TracingSettings(_Strict):

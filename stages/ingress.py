@@ -64,6 +64,8 @@ from stages.protocol import EngineRequest, GenerationJob, PreprocessRequest
 from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
 
 logger = logging.getLogger("lifecycle.ingress")
+#: One JSON line per finished request (stderr with the rest; optionally also a file).
+request_log = logging.getLogger("lifecycle.requests")
 
 VERSION = "0.1.0"
 #: Response header with the engine-side request id when it differs from ``X-Request-Id``.
@@ -134,6 +136,10 @@ class Ingress:
     def __init__(self, preprocess: Any, egress: Any, engine: Any, app_config: dict[str, Any]) -> None:
         self.cfg = AppConfig.from_args(app_config)
         configure_logging()
+        if self.cfg.http.request_log_file:
+            handler = logging.FileHandler(self.cfg.http.request_log_file)
+            handler.setFormatter(logging.Formatter("%(message)s"))  # pure JSON lines
+            request_log.addHandler(handler)
         configure_tracing(self.cfg.tracing, component="ingress")
         self.preprocess = preprocess
         self.egress = egress
@@ -406,7 +412,7 @@ class Ingress:
                           cached_tokens=summary.cached_tokens, finish_reasons=summary.finish_reasons)
         if self.cfg.http.log_prompts and prompt is not None:
             record["prompt"] = prompt[: self.cfg.http.max_log_len]
-        logger.info(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
+        request_log.info(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
 
     # -- other routes ---------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:

@@ -50,8 +50,9 @@ def tracing_enabled(settings: Any) -> bool:
 
 
 def configure_logging(level: int = logging.INFO) -> None:
-    """Send this project's ``lifecycle.*`` log records to stderr (Ray captures each replica's
-    stderr into its worker log and ``serve run`` shows it). Idempotent."""
+    """Send this project's ``lifecycle.*`` records to stderr, whatever level Ray Serve's own logger
+    runs at (throughput-optimised Serve keeps replica logs quiet). Ray writes each replica's stderr
+    to ``logs/worker-*.err`` and ``serve run`` shows it. Idempotent."""
     root = logging.getLogger("lifecycle")
     root.setLevel(level)
     if not root.handlers:

@@ -34,8 +34,10 @@ class ServeApp:
     url: str
     otlp: OTLPReceiver
     args: dict[str, Any]
-    #: Ray's session directory; replicas' stderr lands in ``logs/worker-*.err``.
+    #: Ray's session directory.
     session_dir: str = ""
+    #: The Ingress's per-request JSON-lines log (``http.request_log_file``).
+    request_log: str = ""
 
     def engine_stats(self) -> dict[str, Any]:
         """The engine's own stats, straight from its replica.
@@ -85,7 +87,11 @@ def serve_app() -> Iterator[ServeApp]:
     from graph import build_app
 
     otlp = OTLPReceiver()
-    args = {**TEST_ARGS, "tracing": {**TEST_ARGS["tracing"], "otlp_endpoint": otlp.endpoint}}
+    import tempfile
+
+    request_log = os.path.join(tempfile.mkdtemp(prefix="lifecycle-test-"), "requests.jsonl")
+    args = {**TEST_ARGS, "tracing": {**TEST_ARGS["tracing"], "otlp_endpoint": otlp.endpoint},
+            "http": {**TEST_ARGS["http"], "request_log_file": request_log}}
     port = _free_port()
     ctx = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}})
@@ -103,7 +109,8 @@ def serve_app() -> Iterator[ServeApp]:
             raise RuntimeError("the Serve app did not become healthy in 300 s")
         time.sleep(1)
     try:
-        yield ServeApp(url=url, otlp=otlp, args=args, session_dir=ctx.address_info["session_dir"])
+        yield ServeApp(url=url, otlp=otlp, args=args, session_dir=ctx.address_info["session_dir"],
+                       request_log=request_log)
     finally:
         serve.shutdown()
         ray.shutdown()
