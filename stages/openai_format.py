@@ -23,7 +23,6 @@ def sse_event(data: dict[str, Any] | str, event_id: int | None = None) -> str:
     return f"{prefix}data: {payload}\n\n"
 
 
-SSE_DONE = "data: [DONE]\n\n"
 SSE_KEEPALIVE = ": keep-alive\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
