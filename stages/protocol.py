@@ -104,6 +104,11 @@ class EngineOutput:
     #: ``decode``, ``engine_total``, plus counters such as ``num_preemptions`` and ``decode_steps``.
     timings: dict[str, float] = field(default_factory=dict)
 
+    @property
+    def finished(self) -> bool:
+        """True on the request's final item."""
+        return self.finish_reason is not None
+
 
 @dataclass
 class PreprocessRequest:

@@ -8,9 +8,8 @@ import time
 import pytest
 
 from stages.engine.async_engine import AsyncEngine, merge_outputs
-from stages.engine.engine import StepOutput
 from stages.errors import InvalidRequestError, QueueFullError
-from stages.protocol import EngineRequest
+from stages.protocol import EngineOutput, EngineRequest
 from tests.fakes import make_engine, params, reference
 
 
@@ -124,8 +123,8 @@ def test_queue_bound_and_invalid_requests_raise_serve_errors():
 
 
 def test_merge_outputs_keeps_order_and_final_fields():
-    outs = [StepOutput("x", [1], timings={"queue": 0.1}), StepOutput("x", [2, 3]),
-            StepOutput("x", [4], finish_reason="stop", stop_token_id=4, timings={"decode": 0.2})]
+    outs = [EngineOutput("x", [1], timings={"queue": 0.1}), EngineOutput("x", [2, 3]),
+            EngineOutput("x", [4], finish_reason="stop", stop_token_id=4, timings={"decode": 0.2})]
     merged = merge_outputs("x", outs)
     assert merged.new_token_ids == [1, 2, 3, 4]
     assert merged.finish_reason == "stop" and merged.stop_token_id == 4

@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.engine.engine import EngineStats, LLMEngine, StepOutput
+from stages.engine.engine import EngineStats, LLMEngine
 from stages.errors import EngineUnavailableError, InvalidRequestError, QueueFullError
 from stages.protocol import EngineOutput, EngineRequest, TokenLogprob
 
@@ -41,11 +41,11 @@ class EngineDeadError(EngineUnavailableError):
 class _Stream:
     """Per-request mailbox living on the event loop."""
 
-    pending: list[StepOutput] = field(default_factory=list)
+    pending: list[EngineOutput] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     error: BaseException | None = None
 
-    def push(self, out: StepOutput) -> None:
+    def push(self, out: EngineOutput) -> None:
         self.pending.append(out)
         self.event.set()
 
@@ -54,7 +54,7 @@ class _Stream:
         self.event.set()
 
 
-def merge_outputs(request_id: str, outs: list[StepOutput]) -> EngineOutput:
+def merge_outputs(request_id: str, outs: list[EngineOutput]) -> EngineOutput:
     """Coalesce consecutive step outputs of one request into one streamed item."""
     tokens: list[int] = []
     logprobs: list[TokenLogprob] | None = None
@@ -100,7 +100,7 @@ class CumulativeHistogram:
 
 
 #: Callback invoked on the step thread after every step: (engine, step outputs, step seconds).
-StepHook = Callable[[LLMEngine, list[StepOutput], float], None]
+StepHook = Callable[[LLMEngine, list[EngineOutput], float], None]
 
 
 class AsyncEngine:
@@ -227,7 +227,7 @@ class AsyncEngine:
             req.trace = request.trace_context or None
             # An empty first item says "accepted": callers can commit to a 200 response now and
             # still report queue-full or invalid requests with their own status before it.
-            self._call_loop(self._dispatch, [StepOutput(rid, [], num_prompt_tokens=req.num_prompt_tokens)])
+            self._call_loop(self._dispatch, [EngineOutput(rid, [], num_prompt_tokens=req.num_prompt_tokens)])
         except ValueError as exc:
             self._call_loop(self._fail_stream, rid, InvalidRequestError(str(exc)))
         finally:
@@ -241,7 +241,7 @@ class AsyncEngine:
         if stream is not None:
             stream.fail(exc)
 
-    def _dispatch(self, outputs: list[StepOutput]) -> None:
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from stages.engine.block_manager import BlockManager
 from stages.engine.request import EventType, Request, RequestStatus
 from stages.engine.scheduler import Scheduler, SchedulerConfig
-from stages.protocol import SamplingParams, TokenLogprob
+from stages.protocol import EngineOutput, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -45,25 +45,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1")
         if self.kv_cache_memory_gb <= 0 and self.num_kv_blocks <= 0:
             raise ValueError("set num_kv_blocks or a positive kv_cache_memory_gb")
-
-
-@dataclass
-class StepOutput:
-    """What one step did to one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_token_id: int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    #: Engine-side durations; set on the first token and on the final output.
-    timings: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -111,7 +92,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
         ), self.block_manager)
         self.requests: dict[str, Request] = {}
-        self._pending: list[StepOutput] = []
+        self._pending: list[EngineOutput] = []
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.finished_total: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
@@ -170,8 +151,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
     # -- the step -----------------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
-        """Schedule, run the model once, sample, and update every scheduled request."""
+    def step(self) -> list[EngineOutput]:
+        """Schedule, run the model once, sample, and update every scheduled request.
+
+        Returns one :class:`EngineOutput` per request that produced a token or finished this step
+        (the same message the deployment streams, before coalescing)."""
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -203,15 +187,15 @@ class LLMEngine:
                 outputs.append(self._final_output(req, [token_id], lps))
                 self._retire(req)
             else:
-                outputs.append(StepOutput(req.request_id, [token_id], lps,
+                outputs.append(EngineOutput(req.request_id, [token_id], lps,
                                           num_prompt_tokens=req.num_prompt_tokens,
                                           num_cached_tokens=max(req.num_cached_tokens, 0),
                                           timings=req.timings() if first else {}))
         return outputs
 
     def _final_output(self, req: Request, tokens: list[int],
-                      logprobs: list[TokenLogprob] | None = None) -> StepOutput:
-        return StepOutput(req.request_id, tokens, logprobs, req.finish_reason, req.stop_token_id,
+                      logprobs: list[TokenLogprob] | None = None) -> EngineOutput:
+        return EngineOutput(req.request_id, tokens, logprobs, req.finish_reason, req.stop_token_id,
                           req.num_prompt_tokens, max(req.num_cached_tokens, 0), req.timings())
 
     def _retire(self, req: Request) -> None:
