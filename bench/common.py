@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import time
@@ -44,51 +43,18 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[max(0, min(98, int(q) - 1))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class ServeApp:
-    """The real application on loopback, started in this process (as the tests do)."""
+    """The real application on loopback, started in this process exactly as the tests start it."""
 
     def __init__(self, args: dict[str, Any], num_cpus: int = 4) -> None:
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
-        import ray
-        from ray import serve
+        from tests.serve_harness import start_app
 
-        from graph import build_app
-
-        self.port = _free_port()
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}})
-        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
-        serve.run(build_app(args), name="lifecycle", route_prefix="/", blocking=False)
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("app did not become healthy")
-            time.sleep(1)
-
-    def engine_stats(self) -> dict[str, Any]:
-        from ray import serve
-
-        return serve.get_deployment_handle("Engine", app_name="lifecycle").stats.remote().result(timeout_s=10)
+        self.url, _ = start_app(args, num_cpus=num_cpus)
 
     def close(self) -> None:
-        import ray
-        from ray import serve
+        from tests.serve_harness import stop_app
 
-        serve.shutdown()
-        ray.shutdown()
+        stop_app()
 
 
 @dataclass

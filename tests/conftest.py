@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
+import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pytest
 
 from tests.otlp_receiver import OTLPReceiver
+from tests.serve_harness import start_app, stop_app
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -71,49 +70,17 @@ async def _engine_stats() -> dict[str, Any]:
     return await _ENGINE_HANDLE.stats.remote()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def serve_app() -> Iterator[ServeApp]:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
-    import ray
-    from ray import serve
-
-    from graph import build_app
-
     otlp = OTLPReceiver()
-    import tempfile
-
     request_log = os.path.join(tempfile.mkdtemp(prefix="lifecycle-test-"), "requests.jsonl")
     args = {**TEST_ARGS, "tracing": {**TEST_ARGS["tracing"], "otlp_endpoint": otlp.endpoint},
             "http": {**TEST_ARGS["http"], "request_log_file": request_log}}
-    port = _free_port()
-    ctx = ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="lifecycle", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError("the Serve app did not become healthy in 300 s")
-        time.sleep(1)
+    url, session_dir = start_app(args)
     try:
-        yield ServeApp(url=url, otlp=otlp, args=args, session_dir=ctx.address_info["session_dir"],
-                       request_log=request_log)
+        yield ServeApp(url=url, otlp=otlp, args=args, session_dir=session_dir, request_log=request_log)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_app()
         otlp.close()
 
 
