@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(MODEL): $(STAMP)
-	$(PY) -m stages.engine.loader
+	$(PY) -m stages.model_info
 	touch $@
 
 setup: $(STAMP) $(MODEL)

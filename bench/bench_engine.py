@@ -54,7 +54,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from stages.engine.engine import EngineConfig, LLMEngine  # noqa: E402
-from stages.engine.loader import EMBEDDED_MODEL, load_tokenizer, model_info, resolve_model_dir  # noqa: E402
+from stages.model_info import EMBEDDED_MODEL, load_tokenizer, model_info, resolve_model_dir  # noqa: E402
 from stages.protocol import SamplingParams  # noqa: E402
 
 GOALS = {"a": 1.0, "b_seq": 4.0, "b_static": 1.5, "c": 5.0}

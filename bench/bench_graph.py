@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import MODEL_NAME, ServeApp, machine, pct, stream_completion  # noqa: E402
 from stages.config import EngineSettings  # noqa: E402
-from stages.engine.loader import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
+from stages.model_info import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
 from stages.protocol import EngineRequest, SamplingParams  # noqa: E402
 
 TOPICS = ["rivers", "volcanoes", "bridges", "bees", "libraries", "glaciers", "trains", "forests"]

@@ -243,7 +243,7 @@ class EgressDeployment:
     """CPU stage between the engine and Ingress; scale it with ``num_replicas``."""
 
     def __init__(self, engine: Any, model: str, tracing: dict[str, Any] | None = None) -> None:
-        from stages.engine.loader import load_tokenizer
+        from stages.model_info import load_tokenizer
         from stages.telemetry import configure_tracing
 
         configure_tracing(tracing, component="egress")

@@ -29,7 +29,6 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from stages.config import AppConfig
-from stages.engine.loader import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
 from stages.errors import (
     EngineUnavailableError,
     InternalServerError,
@@ -42,6 +41,7 @@ from stages.errors import (
     ServeError,
 )
 from stages.metrics import IngressMetrics, RequestRecord
+from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
 from stages.openai_format import (
     SSE_HEADERS,
     SSE_KEEPALIVE,

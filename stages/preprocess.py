@@ -13,8 +13,8 @@ from typing import Any
 
 from ray import serve
 
-from stages.engine.loader import load_tokenizer, model_info
 from stages.errors import ContextLengthExceededError, InvalidRequestError
+from stages.model_info import load_tokenizer, model_info
 from stages.protocol import EngineRequest, PreprocessRequest
 from stages.telemetry import get_tracer, span_from_context
 

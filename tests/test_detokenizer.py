@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from stages.detokenizer import IncrementalDetokenizer
-from stages.engine.loader import EMBEDDED_MODEL, load_tokenizer
+from stages.model_info import EMBEDDED_MODEL, load_tokenizer
 
 REPLACEMENT = "\ufffd"
 

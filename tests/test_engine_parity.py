@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from stages.engine.engine import EngineConfig, LLMEngine
-from stages.engine.loader import EMBEDDED_MODEL, load_tokenizer, resolve_model_dir
+from stages.model_info import EMBEDDED_MODEL, load_tokenizer, resolve_model_dir
 from stages.protocol import SamplingParams
 
 MAX_NEW = 24

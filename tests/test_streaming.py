@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from stages.engine.loader import load_tokenizer
+from stages.model_info import load_tokenizer
 from tests.conftest import MODEL_NAME
 from tests.test_cancellation import LongStreams, poll_stats, wait_idle
 

