@@ -1,0 +1,133 @@
+"""``proxy``: the same stream direct, through a real nginx with default buffering, and through nginx
+with ``proxy_ignore_headers X-Accel-Buffering``; per-event arrival times on each path.
+
+With the server's ``X-Accel-Buffering: no`` header, default-buffering nginx passes each event on as it
+arrives (gaps track the direct ones); when nginx ignores that header it buffers and events arrive in
+clumps."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+import httpx
+
+from bench import report
+from bench.nginx import Nginx
+from bench.target import StreamRecord, chat_body, exact_prompt, probe, stream_chat
+
+PATHS = ["direct", "nginx", "nginx ignoring X-Accel-Buffering"]
+#: Two events closer than this arrived in one read: a clump.
+CLUMP_S = 0.002
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens per stream")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length")
+    p.add_argument("--tolerance", type=float, default=0.2,
+                   help="allowed relative difference of median gaps, nginx vs direct")
+
+
+def path_stats(recs: list[StreamRecord]) -> dict[str, Any]:
+    ok = [r for r in recs if r.error is None]
+    gaps = [g for r in ok for g in r.gaps]
+    return {"streams": len(recs), "errors": len(recs) - len(ok),
+            "first_event_ms": report.med([r.event_times[0] * 1e3 for r in ok]),
+            "last_event_ms": report.med([r.event_times[-1] * 1e3 for r in ok]),
+            "first_over_last": report.med([r.event_times[0] / r.event_times[-1] for r in ok if r.event_times[-1] > 0]),
+            "events": report.med([len(r.event_times) for r in ok]),
+            "tokens": report.med([r.completion_tokens for r in ok if r.completion_tokens]),
+            "gap_p50_ms": report.pct(gaps, 50) * 1e3, "gap_p95_ms": report.pct(gaps, 95) * 1e3,
+            "clumped_gap_frac": sum(g < CLUMP_S for g in gaps) / len(gaps) if gaps else float("nan"),
+            "max_events_per_clump": report.med([_max_clump(r) for r in ok])}
+
+
+def _max_clump(r: StreamRecord) -> int:
+    best = cur = 1
+    for g in r.gaps:
+        cur = cur + 1 if g < CLUMP_S else 1
+        best = max(best, cur)
+    return best
+
+
+async def measure(upstream: str, model: str, rounds: int, prompt_tokens: int, max_tokens: int,
+                  bar: Any = None, target: Any = None) -> tuple[dict[str, list[StreamRecord]], str]:
+    """Alternate direct / nginx / nginx-ignoring-the-header, ``rounds`` times each."""
+    recs: dict[str, list[StreamRecord]] = {p: [] for p in PATHS}
+    with Nginx(upstream) as ng:
+        urls = {PATHS[0]: upstream, PATHS[1]: ng.urls["default"], PATHS[2]: ng.urls["ignore"]}
+        async with httpx.AsyncClient(timeout=600) as c:
+            for path in PATHS:  # warm each path's connection
+                await stream_chat(c, chat_body(model, "warm up", 2), base=urls[path])
+            for _ in range(rounds):
+                for path in PATHS:
+                    text = (await exact_prompt(_Based(c, upstream), target, prompt_tokens))[0] if target else \
+                        "Tell me a long story about a lighthouse keeper."
+                    recs[path].append(await stream_chat(c, chat_body(model, text, max_tokens), base=urls[path]))
+                    if bar is not None:
+                        bar.update(1)
+        version = ng.version()
+    return recs, version
+
+
+class _Based:
+    """An AsyncClient whose relative URLs go to ``base`` (for /tokenize on the upstream)."""
+
+    def __init__(self, c: httpx.AsyncClient, base: str) -> None:
+        self.c, self.base = c, base
+
+    async def post(self, path: str, **kw: Any) -> httpx.Response:
+        return await self.c.post(self.base + path, **kw)
+
+
+def verdict(stats: dict[str, dict[str, Any]], tolerance: float) -> dict[str, Any]:
+    d, n, i = (stats[p] for p in PATHS)
+    ratio = n["gap_p50_ms"] / d["gap_p50_ms"] if d["gap_p50_ms"] else float("nan")
+    return {"nginx_over_direct_gap_p50": ratio,
+            "nginx_tracks_direct": abs(ratio - 1) <= tolerance,
+            "nginx_first_over_last": n["first_over_last"],
+            "ignore_clumped_gap_frac": i["clumped_gap_frac"],
+            "direct_clumped_gap_frac": d["clumped_gap_frac"],
+            "ignore_clumps": i["clumped_gap_frac"] > max(0.5, 2 * d["clumped_gap_frac"])}
+
+
+async def main(a: argparse.Namespace) -> dict[str, Any]:
+    run = report.Run("proxy", a, a.out)
+    target = await probe(a.url, a.model)
+    bar = report.progress(a.repeats * len(PATHS), "proxy", not a.no_progress)
+    recs, version = await measure(target.url, target.model, a.repeats, a.prompt_tokens, a.max_tokens, bar, target)
+    bar.close()
+    stats = {p: path_stats(r) for p, r in recs.items()}
+    v = verdict(stats, a.tolerance)
+    rows = [[p, s["first_event_ms"], s["last_event_ms"], s["gap_p50_ms"], s["gap_p95_ms"],
+             100 * s["clumped_gap_frac"], s["max_events_per_clump"], s["events"], s["tokens"]] for p, s in stats.items()]
+    table = report.md_table(["path", "first event (ms)", "last event (ms)", "gap p50 (ms)", "gap p95 (ms)",
+                             f"gaps < {CLUMP_S * 1e3:g} ms (%)", "largest clump (events)", "events", "tokens"], rows)
+    table += (f"\n\n{version}; {a.repeats} round(s) alternating the three paths, one stream at a time, "
+              f"{a.max_tokens} tokens (usage), greedy, ignore_eos; medians over streams. Through default-buffering "
+              f"nginx the median gap is {v['nginx_over_direct_gap_p50']:.2f}× the direct one "
+              f"({'within' if v['nginx_tracks_direct'] else 'OUTSIDE'} ±{a.tolerance:.0%}); ignoring the header, "
+              f"{100 * v['ignore_clumped_gap_frac']:.0f}% of gaps are clumped "
+              f"({'clumps' if v['ignore_clumps'] else 'no clear clumping'}).")
+    fig, ax = report.figure(1, 8, 4.2)
+    for k, (p, rs) in enumerate(recs.items()):
+        r = next((x for x in rs if x.error is None), None)
+        if r:
+            ax.step([t * 1e3 for t in r.event_times], range(1, len(r.event_times) + 1), where="post",
+                    label=p, color=f"C{k}", lw=1.6 if k else 2.6, alpha=0.9)
+    ax.set_xlabel("arrival time since the request was sent (ms)")
+    ax.set_ylabel("SSE content events received")
+    ax.set_title(f"One {a.max_tokens}-token stream on each path (round 1)")
+    ax.legend(fontsize=8, loc="upper left")
+    results = {"paths": stats, "verdict": v, "nginx": version,
+               "event_times_ms": {p: [[t * 1e3 for t in r.event_times] for r in rs] for p, rs in recs.items()},
+               "requests": {p: [r.summary() for r in rs] for p, rs in recs.items()}}
+    spreads = {f"gap_p50_ms[{p}]": report.spread([report.med(r.gaps) * 1e3 for r in rs if r.error is None])
+               for p, rs in recs.items()}
+    run.write(results, table, fig, a.repeats, spreads, [target])
+    return results
+
+
+def cli(a: argparse.Namespace) -> Any:
+    return asyncio.run(main(a))

@@ -1,0 +1,48 @@
+"""Serve the app with ``serve_config.yaml``'s args on a free loopback port (not 8000) until interrupted,
+for running ``python -m bench`` against it. Prints the URL (and writes it to ``--url-file``).
+
+    .venv/bin/python bench/serve_local.py --url-file /tmp/bench_url &
+    .venv/bin/python -m bench client --url "$(cat /tmp/bench_url)"
+    kill %1   # SIGTERM/SIGINT: shuts Serve and Ray down
+
+To serve the last commit while the working tree is being edited, run it from an export:
+``git archive HEAD | tar -x -C /tmp/head && cd /tmp/head && /work/main/.venv/bin/python bench/serve_local.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(ROOT / "serve_config.yaml"))
+    p.add_argument("--url-file", default="")
+    a = p.parse_args()
+    from tests.serve_harness import start_app, stop_app
+
+    cfg = yaml.safe_load(Path(a.config).read_text())
+    args = cfg["applications"][0]["args"]
+    url, _ = start_app(args)
+    print(url, flush=True)
+    if a.url_file:
+        Path(a.url_file).write_text(url + "\n")
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    while not done.wait(0.5):
+        pass
+    stop_app()
+
+
+if __name__ == "__main__":
+    main()
