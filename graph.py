@@ -1,4 +1,4 @@
-"""Composes the four stages into one Ray Serve application.
+"""Composes the stages into one Ray Serve application.
 
 ``serve run serve_config.yaml`` imports ``graph:build_app`` and passes the ``args`` block; they are
 validated into :class:`stages.config.AppConfig` before anything starts. No logic lives here.
@@ -11,6 +11,7 @@ from typing import Any
 from ray.serve import Application
 
 from stages.config import AppConfig
+from stages.directory import DirectoryDeployment
 from stages.egress import EgressDeployment
 from stages.engine.deployment import EngineDeployment
 from stages.ingress import Ingress
@@ -18,13 +19,11 @@ from stages.preprocess import PreprocessDeployment
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:
-    """Ingress → (Preprocess, Egress → Engine), from validated ``args``."""
+    """Ingress → (Preprocess, Egress → Engine), all sharing one Directory."""
     cfg = AppConfig.from_args(args)
     tracing = cfg.tracing.model_dump()
-    engine_args = cfg.engine.model_dump()
-    engine = EngineDeployment.bind(cfg.model, engine_args, tracing)
-    preprocess = PreprocessDeployment.bind(cfg.model, cfg.engine.max_model_len, tracing)
+    directory = DirectoryDeployment.bind()
+    engine = EngineDeployment.bind(cfg.model, cfg.engine.model_dump(), tracing, directory)
+    preprocess = PreprocessDeployment.bind(cfg.model, cfg.engine.max_model_len, tracing, directory)
     egress = EgressDeployment.bind(engine, cfg.model, tracing)
-    return Ingress.bind(preprocess, egress, engine, cfg.model_dump())
-
-
+    return Ingress.bind(preprocess, egress, engine, cfg.model_dump(), directory)

@@ -7,15 +7,20 @@ the built application can be inspected in tests without running anything.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from stages.engine.engine import EngineConfig
+if TYPE_CHECKING:  # the CPU stages read this module and must not import the engine package
+    from stages.engine.engine import EngineConfig
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+#: Engine settings the Ray replica uses itself; the engine core never sees them.
+_REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s"}
 
 
 class EngineSettings(_Strict):
@@ -32,16 +37,24 @@ class EngineSettings(_Strict):
     long_prefill_token_threshold: int = Field(0, ge=0)
     max_model_len: int = Field(0, ge=0)
     enable_prefix_caching: bool = True
+    #: Linear-layer weights: auto (the GGUF's own quantisation on CPU, else float) | float32 | int4 | int8.
+    weights: Literal["auto", "float32", "int4", "int8"] = "auto"
     #: Waiting-queue bound; beyond it requests get 429 with Retry-After.
     max_waiting_requests: int = Field(256, ge=1)
+    #: A step loop that has work but finishes no step for this long is unhealthy (Serve replaces it).
+    stall_timeout_s: float = Field(60.0, gt=0)
+    #: Seconds between the replica's reports to the Directory (app-wide /health and /metrics).
+    report_interval_s: float = Field(1.0, gt=0)
 
     def to_engine_config(self, model: str) -> EngineConfig:
+        from stages.engine.engine import EngineConfig
+
         device = self.device
         if device == "auto":
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        fields = self.model_dump(exclude={"device", "max_waiting_requests"})
+        fields = self.model_dump(exclude={"device", *_REPLICA_ONLY})
         return EngineConfig(model=model, device=device, **fields)
 
 

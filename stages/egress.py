@@ -1,12 +1,21 @@
 """Egress stage: incremental detokenisation, stop strings, OpenAI chunks and SSE frames.
 
 Egress calls the engine (so a request's stream runs Engine → Egress → Ingress) and turns engine
-items into response text. One engine item may carry several tokens; it becomes one SSE event, so
-coalescing in the engine carries through to the client.
+items into response text. One engine item carries every choice that produced tokens in the steps
+since the last one; each choice's part becomes one SSE event, so coalescing in the engine carries
+through to the client.
 
-Abort paths that start here: a stop string found in the text (the engine cannot see text), and the
-caller going away (cancellation arrives as ``CancelledError``). Both close the engine stream, which
-aborts the request in the engine replica that owns it.
+What Ingress receives is typed (:mod:`stages.protocol`): a :class:`StreamStart` once the engine has
+accepted the request (with the engine replica that runs it, for cancel by id), one
+:class:`StreamFrame` per SSE event, and a :class:`StreamSummary` (holding the whole body when the
+client did not stream).
+
+Abort paths that start here: a stop string found in one choice's text (the engine cannot see
+text) aborts that choice alone, by id, on the engine replica that runs it; the caller going away
+(cancellation arrives as ``CancelledError``) closes the engine stream, which aborts every choice.
+
+A full engine queue (429) is retried on another engine replica before the client sees it: the
+refusing replica goes into ``avoid_replicas`` and the router tries the others first.
 
 :class:`Egress` is plain asyncio (tested and benchmarked without Ray); :class:`EgressDeployment` is
 the Ray Serve wrapper.
@@ -14,7 +23,6 @@ the Ray Serve wrapper.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,18 +32,38 @@ from typing import Any
 from ray import serve
 
 from stages.detokenizer import IncrementalDetokenizer
+from stages.engine.errors import EngineOverloadedError
+from stages.errors import unwrap_error
 from stages.openai_format import LogprobFormatter, full_response, sse_event, stream_chunk, usage
-from stages.protocol import EngineOutput, EngineRequest, GenerationJob
+from stages.protocol import (
+    AbortRequest,
+    EngineOutput,
+    GenerationJob,
+    StreamFrame,
+    StreamStart,
+    StreamSummary,
+)
 from stages.telemetry import get_tracer, span_from_context
 
-#: Opens the engine stream for one request; the second callable closes it early (abort).
-EngineOpen = Callable[[EngineRequest], tuple[AsyncIterator[EngineOutput], Callable[[], Awaitable[None]]]]
+
+class EngineStream:
+    """One open engine stream: its items, and how to close it early (which aborts in the engine)."""
+
+    def __init__(self, items: AsyncIterator[list[EngineOutput]], close: Callable[[], Awaitable[None]]) -> None:
+        self.items = items
+        self.close = close
+
+
+#: Opens the engine stream of one request.
+EngineOpen = Callable[[Any], EngineStream]
+#: Sends an :class:`AbortRequest` to the engine replica it names.
+EngineAbort = Callable[[AbortRequest], Awaitable[None]]
 
 
 @dataclass
 class _Choice:
     index: int
-    request: EngineRequest
+    engine_id: str
     detok: IncrementalDetokenizer
     text: list[str] = field(default_factory=list)
     logprobs: list[Any] = field(default_factory=list)
@@ -49,50 +77,33 @@ class _Choice:
     first: bool = True
 
 
-@dataclass
-class Summary:
-    """What Ingress needs after the last content frame: usage, finish reasons and timings."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    finish_reasons: list[str]
-    #: Engine-measured durations (seconds) of the first choice: queue, prefill, decode, ...
-    engine_timings: dict[str, float]
-    #: Seconds Egress spent detokenising and framing.
-    egress_busy: float
-    aborted_by_stop_string: bool = False
-
-
 class Egress:
     """Runs one generation job against the engine and renders OpenAI output."""
 
-    def __init__(self, tokenizer: Any, engine_open: EngineOpen) -> None:
+    def __init__(self, tokenizer: Any, engine_open: EngineOpen, engine_abort: EngineAbort | None = None,
+                 max_engine_attempts: int = 4) -> None:
         self.tokenizer = tokenizer
         self.engine_open = engine_open
+        self.engine_abort = engine_abort
+        self.max_engine_attempts = max_engine_attempts
         self.logprob_fmt = LogprobFormatter(tokenizer)
 
     # -- per item -----------------------------------------------------------------------------------
     def _new_choice(self, job: GenerationJob, index: int) -> _Choice:
         req = job.engine_request
-        if job.n > 1:
-            params = req.sampling_params
-            # Distinct choices from one seed: each choice gets seed + index.
-            seed = None if params.seed is None else params.seed + index
-            req = dataclasses.replace(req, request_id=f"{req.request_id}-{index}", choice_index=index,
-                                      sampling_params=dataclasses.replace(params, seed=seed))
         p = req.sampling_params
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
                                        stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
-        choice = _Choice(index, req, detok)
+        choice = _Choice(index, req.choice_ids()[index], detok)
         if job.echo and req.prompt_text:
             choice.text.append(req.prompt_text)
         return choice
 
     def _consume(self, job: GenerationJob, c: _Choice, out: EngineOutput) -> dict[str, Any] | None:
-        """Fold one engine item into the choice; return the stream chunk to send, if any."""
+        """Fold one engine output into its choice; return the stream chunk to send, if any."""
         c.num_tokens += len(out.new_token_ids)
-        c.num_prompt_tokens, c.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+        if out.num_prompt_tokens:
+            c.num_prompt_tokens, c.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
         c.engine_timings.update(out.timings)
         update = c.detok.add(out.new_token_ids)
         text = update.text
@@ -120,8 +131,8 @@ class Egress:
         c.first = False
         return chunk
 
-    def _summary(self, choices: list[_Choice], busy: float) -> Summary:
-        return Summary(
+    def _summary(self, choices: list[_Choice], busy: float) -> StreamSummary:
+        return StreamSummary(
             prompt_tokens=choices[0].num_prompt_tokens,
             completion_tokens=sum(c.num_tokens for c in choices),
             cached_tokens=choices[0].num_cached_tokens,
@@ -131,97 +142,7 @@ class Egress:
             aborted_by_stop_string=any(c.stopped_by_string for c in choices),
         )
 
-    # -- driving the engine streams ------------------------------------------------------------------
-    async def _items(self, job: GenerationJob, choices: list[_Choice]) -> AsyncIterator[tuple[_Choice, EngineOutput]]:
-        """Engine items of all choices, interleaved. Choice 0 runs first; the others start once
-        its prompt is computed, so they share the prompt's KV blocks through the prefix cache."""
-        if len(choices) == 1:
-            c = choices[0]
-            stream, close = self.engine_open(c.request)
-            try:
-                async for out in stream:
-                    yield c, out
-                    if c.finish_reason is not None:
-                        return
-            finally:
-                await close()  # aborts in the engine unless it already finished the request
-            return
-        queue: asyncio.Queue[tuple[_Choice, EngineOutput | BaseException | None]] = asyncio.Queue()
-        first_seen = asyncio.Event()
-
-        async def pump(c: _Choice) -> None:
-            if c.index > 0:
-                await first_seen.wait()
-            stream, close = self.engine_open(c.request)
-            try:
-                async for out in stream:
-                    if out.new_token_ids or out.finish_reason is not None:
-                        first_seen.set()  # the prompt is computed (and cached): siblings may go
-                    await queue.put((c, out))
-                    if out.finish_reason is not None:
-                        break
-            except BaseException as exc:  # noqa: BLE001 - forwarded to the consumer
-                first_seen.set()
-                await queue.put((c, exc))
-                raise
-            finally:
-                await close()
-            await queue.put((c, None))
-
-        tasks = [asyncio.create_task(pump(c)) for c in choices]
-        done: set[int] = set()
-        try:
-            while len(done) < len(choices):
-                c, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item is None or c.index in done:
-                    done.add(c.index)
-                    continue
-                yield c, item
-                if c.finish_reason is not None:
-                    done.add(c.index)
-                    if c.stopped_by_string:
-                        tasks[c.index].cancel()  # close its engine stream: abort that choice now
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    async def stream(self, job: GenerationJob) -> AsyncIterator[tuple[str, int] | Summary]:
-        """``(SSE frame, tokens in it)`` per engine item, then a :class:`Summary`. The first frame
-        (the role chunk) comes as soon as the engine has accepted the request."""
-        choices = [self._new_choice(job, i) for i in range(job.n)]
-        busy, event_id = 0.0, 0
-        items = self._items(job, choices)
-        try:
-            async for c, out in items:
-                t0 = time.perf_counter()
-                chunk = self._consume(job, c, out)
-                frame = None
-                if chunk is not None:
-                    frame = sse_event(chunk, event_id)
-                    event_id += 1
-                busy += time.perf_counter() - t0
-                if frame is not None:
-                    yield frame, len(out.new_token_ids)
-        finally:
-            await items.aclose()
-        yield self._summary(choices, busy)
-
-    async def complete(self, job: GenerationJob) -> tuple[dict[str, Any], Summary]:
-        """The whole non-streamed response body and its :class:`Summary`."""
-        choices = [self._new_choice(job, i) for i in range(job.n)]
-        busy = 0.0
-        items = self._items(job, choices)
-        try:
-            async for c, out in items:
-                t0 = time.perf_counter()
-                self._consume(job, c, out)
-                busy += time.perf_counter() - t0
-        finally:
-            await items.aclose()
-        t0 = time.perf_counter()
+    def _body(self, job: GenerationJob, choices: list[_Choice], summary: StreamSummary) -> dict[str, Any]:
         rendered = []
         for c in choices:
             lp = None
@@ -231,11 +152,74 @@ class Egress:
                       else self.logprob_fmt.completion(c.logprobs, prefix))
             rendered.append({"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason or "abort",
                              "logprobs": lp})
-        summary = self._summary(choices, busy)
-        body = full_response(job.kind, job.response_id, job.created, job.model_name, rendered,
+        return full_response(job.kind, job.response_id, job.created, job.model_name, rendered,
                              usage(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens))
-        summary.egress_busy += time.perf_counter() - t0
-        return body, summary
+
+    # -- the engine stream ---------------------------------------------------------------------------
+    async def _open_accepted(self, job: GenerationJob) -> tuple[EngineStream, EngineOutput]:
+        """Open the engine stream and wait for its acceptance item. A full queue is retried on
+        another replica; the 429 reaches the client only when every replica tried refused."""
+        request = job.engine_request
+        for attempt in range(self.max_engine_attempts):
+            stream = self.engine_open(request)
+            try:
+                first = await stream.items.__anext__()
+                return stream, first[0]
+            except BaseException as exc:
+                await stream.close()
+                refused = unwrap_error(exc)
+                if (not isinstance(refused, EngineOverloadedError) or not refused.replica
+                        or refused.replica in request.avoid_replicas or attempt + 1 == self.max_engine_attempts):
+                    raise
+                request = dataclasses.replace(request, avoid_replicas=[*request.avoid_replicas, refused.replica])
+        raise AssertionError("unreachable")
+
+    async def stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
+        """:class:`StreamStart` once the engine accepted, a :class:`StreamFrame` per SSE event
+        (streaming only), then the :class:`StreamSummary` (with the body when not streaming)."""
+        choices = [self._new_choice(job, i) for i in range(job.n)]
+        stream, accepted = await self._open_accepted(job)
+        replica = accepted.replica or ""
+        busy, event_id = 0.0, 0
+        open_choices = set(range(job.n))
+        try:
+            yield StreamStart(engine_replica=replica, engine_request_ids=[c.engine_id for c in choices],
+                              prompt_tokens=accepted.num_prompt_tokens)
+            pending = [[accepted]]
+            while open_choices:
+                outs = pending.pop() if pending else await stream.items.__anext__()
+                t0 = time.perf_counter()
+                frames: list[StreamFrame] = []
+                stopped: list[str] = []
+                for out in outs:
+                    c = choices[out.index]
+                    if c.index not in open_choices:
+                        continue  # e.g. the abort that follows a stop string Egress found
+                    chunk = self._consume(job, c, out)
+                    if c.finish_reason is not None:
+                        open_choices.discard(c.index)
+                        if c.stopped_by_string and out.finish_reason is None:
+                            stopped.append(c.engine_id)
+                    if chunk is not None:
+                        frames.append(StreamFrame(sse_event(chunk, event_id), c.index, len(out.new_token_ids),
+                                                  c.finish_reason))
+                        event_id += 1
+                busy += time.perf_counter() - t0
+                if stopped and open_choices and self.engine_abort is not None:
+                    # Other choices go on: abort just these, on the replica that runs them.
+                    await self.engine_abort(AbortRequest(replica, stopped))
+                for frame in frames:
+                    yield frame
+        except StopAsyncIteration:
+            pass  # the engine ended the stream (every choice finished there)
+        finally:
+            await stream.close()  # aborts in the engine whatever is still running there
+        summary = self._summary(choices, busy)
+        if not job.stream:
+            t0 = time.perf_counter()
+            summary.body = self._body(job, choices, summary)
+            summary.egress_busy += time.perf_counter() - t0
+        yield summary
 
 
 @serve.deployment(name="Egress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
@@ -248,33 +232,35 @@ class EgressDeployment:
 
         configure_tracing(tracing, component="egress")
         self.engine = engine  # DeploymentHandle of the engine, created once and reused
-        self.egress = Egress(load_tokenizer(model), self._open)
+        self._stream_handle = engine.options(stream=True)
+        self.egress = Egress(load_tokenizer(model), self._open, self._abort)
 
-    def _open(self, req: EngineRequest) -> tuple[AsyncIterator[EngineOutput], Callable[[], Awaitable[None]]]:
-        gen = self.engine.options(stream=True).generate.remote(req)
+    def _open(self, req: Any) -> EngineStream:
+        gen = self._stream_handle.generate.remote(req)
 
         async def close() -> None:
             gen.cancel()  # cancellation reaches the engine replica's generator → abort by request id
 
-        return gen, close
+        return EngineStream(gen, close)
 
-    async def stream(self, job: GenerationJob) -> AsyncIterator[tuple[str, int] | Summary]:
-        with span_from_context(get_tracer(), "egress.stream", job.engine_request.trace_context,
+    async def _abort(self, req: AbortRequest) -> None:
+        await self.engine.abort.remote(req)
+
+    async def ping(self) -> bool:
+        """Liveness for the app's ``/health``."""
+        return True
+
+    async def stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
+        with span_from_context(get_tracer(), "egress.stream" if job.stream else "egress.complete",
+                               job.engine_request.trace_context,
                                {"lifecycle.request_id": job.engine_request.request_id}) as span:
             async for item in self.egress.stream(job):
-                if isinstance(item, Summary):
+                if isinstance(item, StreamSummary):
                     _annotate(span, item)
                 yield item
 
-    async def complete(self, job: GenerationJob) -> tuple[dict[str, Any], Summary]:
-        with span_from_context(get_tracer(), "egress.complete", job.engine_request.trace_context,
-                               {"lifecycle.request_id": job.engine_request.request_id}) as span:
-            body, summary = await self.egress.complete(job)
-            _annotate(span, summary)
-            return body, summary
 
-
-def _annotate(span: Any, summary: Summary) -> None:
+def _annotate(span: Any, summary: StreamSummary) -> None:
     if not span.is_recording():
         return
     span.set_attribute("lifecycle.egress_busy_ms", summary.egress_busy * 1000)

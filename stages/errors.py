@@ -32,6 +32,12 @@ __all__ = [
 ]
 
 
+def unwrap_error(exc: BaseException) -> BaseException:
+    """The original exception behind a Ray task error (Ray wraps what a deployment raised)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
 def _restore(cls: type[ServeError], args: tuple[Any, ...], state: dict[str, Any]) -> ServeError:
     """Unpickle a :class:`ServeError` without running its (subclass-specific) ``__init__``."""
     exc = cls.__new__(cls, *args)  # BaseException.__new__ sets ``args``

@@ -2,8 +2,9 @@
 
 Names follow vLLM's after the prefix (``lifecycle:time_to_first_token_seconds`` is
 ``vllm:time_to_first_token_seconds``) so existing dashboards port by changing the prefix. The
-engine's gauges and counters live in the engine replica; ``/metrics`` fetches a snapshot with one
-handle call per scrape and renders it next to the Ingress's own request histograms.
+engine's gauges and counters live in each engine replica. Every replica (Ingress and Engine)
+reports its series to the app's Directory; ``/metrics`` renders all of them with a ``replica``
+label (:func:`render_app`), so any Ingress replica answers for the whole app.
 
 TTFT is decomposed into the parts the server can measure: ``prep`` (parse + template + tokenise,
 and the hop to Preprocess), ``queue`` and ``prefill`` (engine clock), and ``first_flush`` (the rest:
@@ -19,6 +20,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 PREFIX = "lifecycle:"
 
@@ -107,31 +110,59 @@ class IngressMetrics:
         self.aborts.labels(self.model_name, reason).inc()
         self.success.labels(self.model_name, "abort").inc()
 
-    def render(self, engine_stats: dict[str, Any] | None) -> tuple[str, str]:
-        """Prometheus text of this replica's metrics plus the engine snapshot."""
-        text = generate_latest(self.registry).decode()
-        if engine_stats is not None:
-            reg = CollectorRegistry(auto_describe=False)
-            reg.register(_EngineCollector(self.model_name, engine_stats))
-            text += generate_latest(reg).decode()
-        return text, CONTENT_TYPE_LATEST
+    def exposition(self) -> str:
+        """This replica's own series, Prometheus text (what it reports to the directory)."""
+        return generate_latest(self.registry).decode()
+
+
+def render_app(model_name: str, ingress_texts: dict[str, str], engines: list[Any]) -> tuple[str, str]:
+    """The whole app's ``/metrics``: every Ingress replica's series and every engine replica's
+    gauges and counters, each labelled with its ``replica``.
+
+    All values come from the directory's latest reports, which only move forward, so a counter
+    never goes backwards between two scrapes, whichever Ingress replica answers them.
+    """
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_LabelledTexts(ingress_texts))
+    for report in engines:
+        reg.register(_EngineCollector(model_name, report.replica, report.stats))
+    return generate_latest(reg).decode(), CONTENT_TYPE_LATEST
+
+
+class _LabelledTexts:
+    """Re-exposes several replicas' Prometheus texts as one, adding a ``replica`` label."""
+
+    def __init__(self, texts: dict[str, str]) -> None:
+        self.texts = texts
+
+    def collect(self) -> Iterable[Any]:
+        families: dict[str, Metric] = {}
+        for replica, text in sorted(self.texts.items()):
+            for fam in text_string_to_metric_families(text):
+                merged = families.get(fam.name)
+                if merged is None:
+                    merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                for sample in fam.samples:
+                    merged.samples.append(sample._replace(labels={**sample.labels, "replica": replica}))
+        yield from families.values()
 
 
 class _EngineCollector:
-    def __init__(self, model_name: str, stats: dict[str, Any]) -> None:
-        self.model_name = model_name
+    def __init__(self, model_name: str, replica: str, stats: dict[str, Any]) -> None:
+        self.labels = ["model_name", "replica"]
+        self.values = [model_name, replica]
         self.stats = stats
 
     def collect(self) -> Iterable[Any]:
-        s, m = self.stats, [self.model_name]
+        s, m, names = self.stats, self.values, self.labels
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=names)
             g.add_metric(m, value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            c = CounterMetricFamily(PREFIX + name, doc, labels=names)
             c.add_metric(m, value)
             return c
 
@@ -140,7 +171,7 @@ class _EngineCollector:
         yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", s["kv_cache_usage"])
         yield gauge("num_free_kv_blocks", "KV blocks free or reclaimable.", s["num_free_blocks"])
         yield gauge("num_kv_blocks", "KV blocks in the pool.", s["num_kv_blocks"])
-        yield gauge("engine_ongoing_streams", "Open request streams in the engine replica (queue depth).",
+        yield gauge("engine_ongoing_streams", "Open request streams in the engine replica.",
                     s.get("num_streams", 0))
         yield counter("prompt_tokens", "Prompt tokens processed.", s["prompt_tokens_total"])
         yield counter("generation_tokens", "Tokens generated.", s["generation_tokens_total"])
@@ -149,15 +180,17 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prefix-cache hits, in tokens.", s["prefix_cache_hits"])
         yield counter("tokens_after_client_gone", "Tokens generated after the consumer had gone.",
                       s.get("tokens_after_gone", 0))
+        yield counter("engine_rejected_overloaded", "Requests this engine refused with a full queue.",
+                      s.get("rejected_overloaded", 0))
         fin = CounterMetricFamily(PREFIX + "engine_request_finished", "Requests leaving the engine by reason.",
-                                  labels=["model_name", "finished_reason"])
+                                  labels=[*names, "finished_reason"])
         for reason, count in s["finished_total"].items():
-            fin.add_metric(m + [reason], count)
+            fin.add_metric([*m, reason], count)
         yield fin
         buckets = s.get("abort_latency_buckets")
         if buckets is not None:
             h = HistogramMetricFamily(PREFIX + "abort_latency_seconds",
                                       "Abort asked (stream cancelled in the engine replica) to blocks freed.",
-                                      labels=["model_name"])
+                                      labels=names)
             h.add_metric(m, [(str(b), c) for b, c in buckets], sum_value=s.get("abort_latency_sum", 0.0))
             yield h

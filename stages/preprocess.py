@@ -72,7 +72,8 @@ class Preprocessor:
                                              param="messages" if req.messages is not None else "prompt")
         params = dataclasses.replace(req.sampling_params, max_tokens=max_tokens if max_tokens is not None else room)
         return EngineRequest(request_id=req.request_id, prompt_token_ids=token_ids, sampling_params=params,
-                             trace_context=req.trace_context, prompt_text=prompt_text, upstream_timings=timings)
+                             trace_context=req.trace_context, prompt_text=prompt_text, n=req.n,
+                             upstream_timings=timings)
 
     def tokenize(self, *, prompt: str | None, messages: list[dict[str, str]] | None,
                  add_generation_prompt: bool, add_special_tokens: bool) -> dict[str, Any]:
@@ -90,17 +91,41 @@ class Preprocessor:
         return {"prompt": self.tokenizer.decode(tokens)}
 
 
+#: Seconds Preprocess trusts its copy of the engines' context length before asking again.
+LIMIT_REFRESH_S = 5.0
+
+
 @serve.deployment(name="Preprocess", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
 class PreprocessDeployment:
-    """CPU stage; scale it with ``num_replicas`` independently of the engine."""
+    """CPU stage; scale it with ``num_replicas`` independently of the engine.
 
-    def __init__(self, model: str, max_model_len: int, tracing: dict[str, Any] | None = None) -> None:
+    The context length it enforces is the engines' own (after each engine capped it to its KV
+    pool; the smallest when several disagree), read from the Directory, so a prompt Preprocess
+    accepts is one every engine can run, and a too-long one gets ``context_length_exceeded`` here.
+    """
+
+    def __init__(self, model: str, max_model_len: int, tracing: dict[str, Any] | None = None,
+                 directory: Any = None) -> None:
         from stages.telemetry import configure_tracing
 
         configure_tracing(tracing, component="preprocess")
         self.pre = Preprocessor(model, max_model_len or None)
+        self.directory = directory
+        self._limit_checked = -LIMIT_REFRESH_S
+
+    async def _refresh_limit(self) -> None:
+        if self.directory is None or time.monotonic() - self._limit_checked < LIMIT_REFRESH_S:
+            return
+        self._limit_checked = time.monotonic()
+        try:
+            engines_len = await self.directory.max_model_len.remote()
+        except Exception:  # noqa: BLE001 - keep the last known limit while the directory restarts
+            return
+        if engines_len:
+            self.pre.max_model_len = engines_len
 
     async def process(self, req: PreprocessRequest) -> EngineRequest:
+        await self._refresh_limit()
         with span_from_context(get_tracer(), "preprocess", req.trace_context,
                                {"lifecycle.request_id": req.request_id}) as span:
             out = self.pre.process(req)
@@ -110,7 +135,12 @@ class PreprocessDeployment:
                 _child_spans(span, out.upstream_timings)
             return out
 
+    async def ping(self) -> bool:
+        """Liveness for the app's ``/health``."""
+        return True
+
     async def tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
+        await self._refresh_limit()
         return self.pre.tokenize(**body)
 
     async def detokenize(self, tokens: list[int]) -> dict[str, Any]:

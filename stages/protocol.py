@@ -8,6 +8,7 @@ durations measured inside one process, never raw clocks from another process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Maximum ``top_logprobs`` the sampler returns (the OpenAI API allows 20).
 MAX_TOP_LOGPROBS = 20
@@ -66,7 +67,13 @@ class TokenLogprob:
 
 @dataclass
 class EngineRequest:
-    """A tokenised request handed from Preprocess to the Engine."""
+    """A tokenised API request handed from Preprocess (through Egress) to one Engine replica.
+
+    ``request_id`` is minted by the server, unique across the cluster and never reused; the
+    client's ``X-Request-Id`` never reaches the engine. All ``n`` choices run on the same engine
+    replica, as engine requests named by :func:`choice_request_id`, so they share the prompt's KV
+    blocks and a 429 moves them together.
+    """
 
     request_id: str
     prompt_token_ids: list[int]
@@ -75,10 +82,34 @@ class EngineRequest:
     trace_context: dict[str, str] = field(default_factory=dict)
     #: Rendered prompt text; kept only so Egress can echo it (``echo``) and for opt-in logging.
     prompt_text: str | None = None
-    #: Index of this choice when the client asked for ``n > 1``.
-    choice_index: int = 0
+    #: Number of choices (``n``).
+    n: int = 1
     #: Durations measured upstream (seconds), e.g. ``{"template": .., "tokenize": ..}``.
     upstream_timings: dict[str, float] = field(default_factory=dict)
+    #: Engine replicas that already refused this request with a full queue: the router skips them.
+    avoid_replicas: list[str] = field(default_factory=list)
+
+    def choice_ids(self) -> list[str]:
+        """The engine request id of every choice, in choice order."""
+        return [choice_request_id(self.request_id, i, self.n) for i in range(self.n)]
+
+
+def choice_request_id(request_id: str, index: int, n: int) -> str:
+    """Engine id of choice ``index``: the request id itself when ``n == 1``, else ``<id>-<index>``
+    (unambiguous because minted ids never contain ``-``)."""
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
+@dataclass
+class AbortRequest:
+    """Abort these engine requests on the engine replica ``replica`` (the router sends it there).
+
+    Unknown or finished ids are ignored. Each aborted request ends its stream normally with
+    ``finish_reason="abort"``, so the client still gets what was generated so far.
+    """
+
+    replica: str
+    request_ids: list[str]
 
 
 @dataclass
@@ -103,6 +134,11 @@ class EngineOutput:
     #: Engine-side durations in seconds, on the first and final items: ``queue``, ``prefill``,
     #: ``decode``, ``engine_total``, plus counters such as ``num_preemptions`` and ``decode_steps``.
     timings: dict[str, float] = field(default_factory=dict)
+    #: Choice index within the API request.
+    index: int = 0
+    #: On the acceptance item only (the first, empty one): the engine replica running the request,
+    #: which an :class:`AbortRequest` must target.
+    replica: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -126,6 +162,7 @@ class PreprocessRequest:
     prompt: str | list[int] | None = None
     add_generation_prompt: bool = True
     trace_context: dict[str, str] = field(default_factory=dict)
+    n: int = 1
 
 
 @dataclass
@@ -141,3 +178,85 @@ class GenerationJob:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+
+
+# -- Egress → Ingress -------------------------------------------------------------------------------
+@dataclass
+class StreamStart:
+    """First item of every Egress stream: the engine accepted the request (so Ingress can commit to
+    a 200), and where it runs (so a cancel by id can reach it)."""
+
+    engine_replica: str
+    engine_request_ids: list[str]
+    prompt_tokens: int
+
+
+@dataclass
+class StreamFrame:
+    """One SSE event of a streamed response: its text and what it carries."""
+
+    data: str
+    #: Choice the event belongs to.
+    index: int
+    #: Tokens generated for that choice since the previous frame.
+    num_tokens: int
+    #: Set when this event ends the choice.
+    finish_reason: str | None = None
+
+
+@dataclass
+class StreamSummary:
+    """Last item of a stream: usage, finish reasons and timings (plus the whole body when the
+    client did not ask to stream)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reasons: list[str]
+    #: Engine-measured durations (seconds) of the first choice: queue, prefill, decode, ...
+    engine_timings: dict[str, float]
+    #: Seconds Egress spent detokenising and framing.
+    egress_busy: float
+    aborted_by_stop_string: bool = False
+    #: The non-streamed response body; ``None`` when streaming.
+    body: dict[str, Any] | None = None
+
+
+EgressItem = StreamStart | StreamFrame | StreamSummary
+
+
+# -- the live-request directory ---------------------------------------------------------------------
+@dataclass
+class LiveEntry:
+    """One live API request as the directory knows it: who owns its stream and how to name it."""
+
+    #: Server-minted id (the response ``id`` is ``<prefix>-<request_id>``).
+    request_id: str
+    response_id: str
+    #: Ingress replica that holds the client's connection.
+    owner: str
+    #: The client's ``X-Request-Id`` label, if it sent one.
+    client_request_id: str | None = None
+    #: Digest of the API key that created the request (``None`` when keys are off).
+    api_key_id: str | None = None
+
+
+@dataclass
+class WatchReply:
+    """Answer to an owner's long poll: requests to cancel, or "send me your whole list again"."""
+
+    cancel_ids: list[str] = field(default_factory=list)
+    resync: bool = False
+
+
+@dataclass
+class EngineReport:
+    """What each engine replica publishes every few seconds for app-wide health and metrics."""
+
+    replica: str
+    node_id: str
+    max_model_len: int
+    #: The step loop is alive and has finished a step recently whenever it had work.
+    healthy: bool
+    #: :meth:`stages.engine.async_engine.AsyncEngine.snapshot`: gauges and monotonic counters.
+    stats: dict[str, Any] = field(default_factory=dict)

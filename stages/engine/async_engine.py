@@ -6,10 +6,11 @@ the next step. All engine state is touched by the step thread only: ``add`` and 
 messages in an inbox drained at the top of every step, so an abort frees the request's blocks at
 the engine's next step.
 
-Streaming: each request has a :class:`_Stream`. The step thread hands every step's outputs to the
-event loop in one ``call_soon_threadsafe``; the consumer takes *everything* that accumulated since
-it last looked and merges it into one :class:`EngineOutput`. The first token therefore goes out at
-once, and under load one item carries several tokens instead of one RPC per token.
+Streaming: each API request (all its ``n`` choices) has one :class:`_Stream`. The step thread hands
+every step's outputs to the event loop in one ``call_soon_threadsafe``; the consumer takes
+*everything* that accumulated since it last looked and merges it into one output per choice. The
+first token therefore goes out at once, and under load one item carries several tokens (and every
+choice) instead of one RPC per token per choice.
 
 No Ray imports: the in-process benchmark and the tests use this directly.
 """
@@ -17,6 +18,7 @@ No Ray imports: the in-process benchmark and the tests use this directly.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -27,19 +29,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.engine.engine import EngineStats, LLMEngine
-from stages.errors import EngineUnavailableError, InvalidRequestError, QueueFullError
+from stages.engine.errors import DuplicateRequestIdError, EngineDeadError, EngineError, EngineOverloadedError
 from stages.protocol import EngineOutput, EngineRequest, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
 
-class EngineDeadError(EngineUnavailableError):
-    """The step loop crashed; the engine cannot serve any more requests."""
-
-
 @dataclass
 class _Stream:
-    """Per-request mailbox living on the event loop."""
+    """Mailbox of one API request (all its choices), living on the event loop."""
 
     pending: list[EngineOutput] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -54,6 +52,22 @@ class _Stream:
         self.event.set()
 
 
+@dataclass
+class _Group:
+    """The ``n`` choices of one API request: choice 0 runs first, its siblings join once it has
+    produced its first token, so they find the prompt's blocks in the prefix cache."""
+
+    request: EngineRequest
+    ids: list[str]
+    stream: _Stream
+    #: Choices handed to the step thread.
+    added: set[str] = field(default_factory=set)
+    #: Choices that have streamed their final item.
+    finished: set[str] = field(default_factory=set)
+    #: Siblings aborted before they were ever added.
+    dropped: set[str] = field(default_factory=set)
+
+
 def merge_outputs(request_id: str, outs: list[EngineOutput]) -> EngineOutput:
     """Coalesce consecutive step outputs of one request into one streamed item."""
     tokens: list[int] = []
@@ -66,7 +80,16 @@ def merge_outputs(request_id: str, outs: list[EngineOutput]) -> EngineOutput:
         timings.update(o.timings)
     last = outs[-1]
     return EngineOutput(request_id, tokens, logprobs, last.finish_reason, last.stop_token_id,
-                        last.num_prompt_tokens, last.num_cached_tokens, timings)
+                        last.num_prompt_tokens, last.num_cached_tokens, timings, index=outs[0].index,
+                        replica=next((o.replica for o in outs if o.replica), None))
+
+
+def merge_group(outs: list[EngineOutput]) -> list[EngineOutput]:
+    """Coalesce what accumulated for a request's choices: one output per choice, first-seen order."""
+    by_id: dict[str, list[EngineOutput]] = {}
+    for o in outs:
+        by_id.setdefault(o.request_id, []).append(o)
+    return [merge_outputs(rid, group) for rid, group in by_id.items()]
 
 
 #: Upper bounds (seconds) of the abort-latency histogram.
@@ -104,28 +127,37 @@ StepHook = Callable[[LLMEngine, list[EngineOutput], float], None]
 
 
 class AsyncEngine:
-    """Thread-driven engine with an asyncio streaming API."""
+    """Thread-driven engine with an asyncio streaming API.
 
-    def __init__(self, engine: LLMEngine, *, max_waiting: int = 256,
-                 step_hook: StepHook | None = None) -> None:
+    ``replica`` names this engine replica on the acceptance item of every stream, so an abort by
+    id can be routed back here. The waiting-queue bound is checked by the step thread when it
+    takes a request in, against the scheduler's own queue: it is exact under bursts.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int = 256, step_hook: StepHook | None = None,
+                 replica: str = "", stall_timeout_s: float = 60.0) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.step_hook = step_hook
+        self.replica = replica
+        self.stall_timeout_s = stall_timeout_s
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
+        #: Engine request id → the group it belongs to (every choice of a group maps to it).
+        self._groups: dict[str, _Group] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
         self.dead: BaseException | None = None
         self._stats = engine.stats()
-        # Requests accepted but not yet seen by the step thread count towards the queue bound.
-        self._in_flight_adds = 0
+        #: Monotonic time the step loop last made progress (finished a step, or found no work).
+        self.last_progress = time.monotonic()
         # Cancellation accounting: how long aborts took to free blocks (step thread), and tokens
         # produced for consumers that had already gone (event loop).
         self.abort_latencies: deque[float] = deque(maxlen=4096)
         self.abort_latency = CumulativeHistogram(ABORT_LATENCY_BUCKETS)
         self.tokens_after_gone = 0
+        self.rejected_overloaded = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -133,6 +165,7 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = loop or asyncio.get_running_loop()
+        self.last_progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -148,34 +181,59 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
+    def stalled_for(self) -> float:
+        """Seconds the step loop has gone without progress while it had work (0 when fine)."""
+        if not self._stats.num_running and not self._stats.num_waiting and self._inbox.empty():
+            return 0.0
+        return max(0.0, time.monotonic() - self.last_progress)
+
+    def health_problem(self) -> str | None:
+        """Why this engine cannot serve, or ``None``: the loop died, its thread is gone, or it has
+        had work without finishing a step for ``stall_timeout_s``. An idle loop is healthy."""
+        if self.dead is not None:
+            return f"engine step loop died: {self.dead!r}"
+        if self._thread is None or not self._thread.is_alive():
+            return "engine step loop is not running"
+        stalled = self.stalled_for()
+        if stalled > self.stall_timeout_s:
+            return f"engine step loop has made no progress for {stalled:.0f} s"
+        return None
+
     def stats(self) -> EngineStats:
         """The latest snapshot (taken by the step thread after each step)."""
         return self._stats
 
     def cancellation_stats(self) -> dict[str, Any]:
         """Open streams, tokens generated for consumers already gone, abort-latency histogram."""
-        return {"num_streams": len(self._streams), "tokens_after_gone": self.tokens_after_gone,
+        return {"num_streams": len(self._live_groups()), "tokens_after_gone": self.tokens_after_gone,
+                "rejected_overloaded": self.rejected_overloaded,
                 "abort_latency_buckets": self.abort_latency.buckets(), "abort_latency_sum": self.abort_latency.sum}
 
+    def snapshot(self) -> dict[str, Any]:
+        """Every gauge and counter in one plain dict (what ``/metrics`` and the router read)."""
+        return {**self._stats.to_dict(), **self.cancellation_stats(),
+                "max_num_seqs": self.engine.config.max_num_seqs, "block_size": self.engine.config.block_size,
+                "max_waiting": self.max_waiting, "stalled_s": self.stalled_for()}
+
     # -- requests ---------------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Stream ``request``'s outputs. Leaving the iteration early (break, cancellation, client
-        gone) aborts the request in the engine."""
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[EngineOutput]]:
+        """Stream the outputs of all ``request.n`` choices: each item holds one merged output per
+        choice that produced something. The first item is the acceptance (choice 0, no tokens,
+        ``replica`` set). Leaving the iteration early (break, cancellation, client gone) aborts
+        every unfinished choice in the engine."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
-        rid = request.request_id
-        if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
-        if self._stats.num_waiting + self._in_flight_adds >= self.max_waiting:
-            raise QueueFullError(f"The server is busy: {self._stats.num_waiting} requests are waiting "
-                                 f"(limit {self.max_waiting}). Retry later.", retry_after=1.0)
-        stream = _Stream()
-        self._streams[rid] = stream
-        self._in_flight_adds += 1
-        self._send("add", (request, time.monotonic()))
-        finished = False
+        ids = request.choice_ids()
+        for rid in ids:
+            if rid in self._groups:
+                raise DuplicateRequestIdError(f"engine request id {rid!r} is already in use")
+        group = _Group(request, ids, _Stream())
+        for rid in ids:
+            self._groups[rid] = group
+        self._add(group, 0)
+        stream = group.stream
         try:
-            while True:
+            while len(group.finished) < len(ids):
                 await stream.event.wait()
                 stream.event.clear()
                 if stream.error is not None:
@@ -183,18 +241,41 @@ class AsyncEngine:
                 outs, stream.pending = stream.pending, []
                 if not outs:
                     continue
-                item = merge_outputs(rid, outs)
-                finished = item.finish_reason is not None
-                yield item
-                if finished:
-                    return
+                items = merge_group(outs)
+                for out in items:
+                    if out.finish_reason is not None:
+                        group.finished.add(out.request_id)
+                    if out.index == 0 and (out.new_token_ids or out.finish_reason) and len(group.added) < len(ids):
+                        for i in range(1, len(ids)):  # the prompt is computed and cached: siblings go
+                            self._add(group, i)
+                yield items
         finally:
-            self._streams.pop(rid, None)
-            if not finished:
-                self.abort(rid)
+            for rid in ids:
+                self._groups.pop(rid, None)
+                if rid in group.added and rid not in group.finished:
+                    self._send("abort", (rid, time.monotonic()))
+
+    def _add(self, group: _Group, index: int) -> None:
+        rid = group.ids[index]
+        if rid in group.dropped or rid in group.added:
+            return
+        group.added.add(rid)
+        req = group.request
+        params = req.sampling_params
+        if index and params.seed is not None:  # distinct choices from one seed: seed + index
+            params = dataclasses.replace(params, seed=params.seed + index)
+        self._send("add", (rid, index, req, params, len(group.ids) if index == 0 else 0, time.monotonic()))
 
     def abort(self, request_id: str) -> None:
-        """Ask the step thread to abort ``request_id`` (no-op if unknown or finished)."""
+        """Abort ``request_id`` (no-op if unknown or finished). Its stream ends with a final
+        ``finish_reason="abort"`` item; a sibling choice not yet started ends at once."""
+        group = self._groups.get(request_id)
+        if group is not None and request_id not in group.added:
+            if request_id not in group.dropped:
+                group.dropped.add(request_id)
+                group.stream.push(EngineOutput(request_id, [], finish_reason="abort",
+                                               index=group.ids.index(request_id)))
+            return
         self._send("abort", (request_id, time.monotonic()))
 
     def _send(self, kind: str, payload: Any) -> None:
@@ -210,8 +291,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                request, arrival = payload
-                self._deliver_add(request, arrival)
+                self._deliver_add(*payload)
             elif kind == "abort":
                 rid, asked = payload
                 if engine.abort(rid):
@@ -220,32 +300,37 @@ class AsyncEngine:
                     self.abort_latencies.append(latency)
                     self.abort_latency.observe(latency)
 
-    def _deliver_add(self, request: EngineRequest, arrival: float) -> None:
-        rid = request.request_id
+    def _deliver_add(self, rid: str, index: int, request: EngineRequest, params: Any, admit: int,
+                     arrival: float) -> None:
+        """Runs on the step thread, so the queue check sees the scheduler's exact waiting count."""
         try:
-            req = self.engine.add_request(rid, request.prompt_token_ids, request.sampling_params, arrival)
+            waiting = len(self.engine.scheduler.waiting)
+            if admit and waiting + admit > self.max_waiting:
+                self.rejected_overloaded += 1
+                raise EngineOverloadedError(
+                    f"The server is busy: {waiting} requests are waiting (limit {self.max_waiting}). "
+                    "Retry later.", replica=self.replica, retry_after=1.0)
+            req = self.engine.add_request(rid, request.prompt_token_ids, params, arrival)
             req.trace = request.trace_context or None
-            # An empty first item says "accepted": callers can commit to a 200 response now and
-            # still report queue-full or invalid requests with their own status before it.
-            self._call_loop(self._dispatch, [EngineOutput(rid, [], num_prompt_tokens=req.num_prompt_tokens)])
-        except ValueError as exc:
-            self._call_loop(self._fail_stream, rid, InvalidRequestError(str(exc)))
-        finally:
-            self._call_loop(self._add_delivered)
-
-    def _add_delivered(self) -> None:
-        self._in_flight_adds -= 1
+            if index == 0:
+                # An empty first item says "accepted": callers can commit to a 200 response now and
+                # still report queue-full or invalid requests with their own status before it.
+                self._call_loop(self._dispatch, [EngineOutput(rid, [], num_prompt_tokens=req.num_prompt_tokens,
+                                                              index=0, replica=self.replica)])
+        except EngineError as exc:
+            self._call_loop(self._fail_stream, rid, exc)
 
     def _fail_stream(self, rid: str, exc: BaseException) -> None:
-        stream = self._streams.get(rid)
-        if stream is not None:
-            stream.fail(exc)
+        group = self._groups.get(rid)
+        if group is not None:
+            group.stream.fail(exc)
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.push(out)
+            group = self._groups.get(out.request_id)
+            if group is not None:
+                out.index = group.ids.index(out.request_id) if len(group.ids) > 1 else 0
+                group.stream.push(out)
             elif out.finish_reason != "abort":
                 self.tokens_after_gone += len(out.new_token_ids)  # nobody will read these
 
@@ -263,17 +348,18 @@ class AsyncEngine:
                 self._drain_inbox()
                 if not engine.has_unfinished():
                     self._stats = engine.stats()
+                    self.last_progress = time.monotonic()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
                 t0 = time.monotonic()
                 outputs = engine.step()
-                elapsed = time.monotonic() - t0
+                self.last_progress = now = time.monotonic()
                 self._stats = engine.stats()
                 if outputs:
                     self._call_loop(self._dispatch, outputs)
                 if self.step_hook is not None:
-                    self.step_hook(engine, outputs, elapsed)
+                    self.step_hook(engine, outputs, now - t0)
         except BaseException as exc:  # noqa: BLE001 - any crash makes the engine dead, loudly
             logger.exception("engine step loop died")
             self.dead = exc
@@ -284,5 +370,8 @@ class AsyncEngine:
             engine.abort(rid)
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.fail(error)
+        for group in self._live_groups():
+            group.stream.fail(error)
+
+    def _live_groups(self) -> list[_Group]:
+        return list({id(g): g for g in self._groups.values()}.values())

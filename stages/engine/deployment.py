@@ -1,80 +1,123 @@
 """The Engine deployment: a thin Ray Serve adapter around :class:`AsyncEngine`.
 
 One replica per GPU (CPU fallback). The step loop runs on its own thread inside the replica;
-``generate`` streams a request's coalesced outputs. Cancelling the stream (the caller went away, or
-Egress found a stop string) runs ``AsyncEngine.generate``'s ``finally``, which aborts the request
-by id so its blocks are free at the next step. The engine emits its spans (queue wait, prefill,
-decode) after the fact from the request's own timestamps, so tracing adds no work to a step.
+``generate`` streams all choices of a request, coalesced. Cancelling the stream (the caller went
+away, or a stop string ended every choice) runs ``AsyncEngine.generate``'s ``finally``, which
+aborts the request by id so its blocks are free at the next step; ``abort`` ends chosen requests
+from outside the stream (cancel by id, a stop string in one of several choices), routed here by
+:class:`stages.routing.EngineRouter`. The engine emits its spans (queue wait, prefill, decode)
+after the fact from the request's own timestamps, so tracing adds no work to a step.
+
+The replica publishes its state twice: to the router through ``record_routing_stats`` (where to
+send the next request), and to the app's Directory every ``report_interval_s`` (``/health`` and
+``/metrics`` for every engine replica, and the context length Preprocess must enforce).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from stages.config import EngineSettings
 from stages.engine.async_engine import AsyncEngine
 from stages.engine.engine import LLMEngine
-from stages.errors import EngineUnavailableError
-from stages.protocol import EngineOutput, EngineRequest
+from stages.engine.errors import EngineDeadError
+from stages.protocol import AbortRequest, EngineOutput, EngineReport, EngineRequest
 
 logger = logging.getLogger("lifecycle.engine")
 
 
-@serve.deployment(name="Engine", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1},
-                  health_check_period_s=5, health_check_timeout_s=30)
-class EngineDeployment:
-    """Owns the model; everything else reaches it through this handle."""
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (tests): a stable placeholder
+        return "local"
 
-    def __init__(self, model: str, engine: dict[str, Any] | None = None,
-                 tracing: dict[str, Any] | None = None) -> None:
+
+@serve.deployment(name="Engine", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1},
+                  health_check_period_s=5, health_check_timeout_s=30,
+                  request_router_config=RequestRouterConfig(request_router_class="stages.routing.EngineRouter",
+                                                            request_routing_stats_period_s=1.0,
+                                                            request_routing_stats_timeout_s=5.0))
+class EngineDeployment:
+    """Owns the model; everything else reaches it through its handle."""
+
+    async def __init__(self, model: str, engine: dict[str, Any] | None = None,
+                       tracing: dict[str, Any] | None = None, directory: Any = None) -> None:
         from stages.engine.tracing import EngineTracer
         from stages.telemetry import configure_logging, configure_tracing
 
         configure_logging()
         configure_tracing(tracing, component="engine")
         self.settings = EngineSettings(**(engine or {}))
+        self.replica = _replica_id()
         self.engine = LLMEngine.from_config(self.settings.to_engine_config(model))
         self.tracer = EngineTracer()
         self.engine.on_finish = self.tracer.on_finish
-        self.async_engine = AsyncEngine(self.engine, max_waiting=self.settings.max_waiting_requests)
-        logger.info("engine ready: %s, max_model_len=%d, %d KV blocks of %d tokens",
+        self.async_engine = AsyncEngine(self.engine, max_waiting=self.settings.max_waiting_requests,
+                                        replica=self.replica, stall_timeout_s=self.settings.stall_timeout_s)
+        # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
+        self.async_engine.start(asyncio.get_running_loop())
+        self._seq = itertools.count()
+        self.directory = directory
+        self._reporter = asyncio.create_task(self._report_loop()) if directory is not None else None
+        logger.info("engine %s ready: %s, max_model_len=%d, %d KV blocks of %d tokens", self.replica,
                     model, self.engine.max_model_len, self.engine.block_manager.num_blocks,
                     self.engine.config.block_size)
 
-    def _ensure_started(self) -> None:
-        # Started lazily so the step thread delivers outputs to the loop Serve runs our calls on.
-        if self.async_engine._thread is None:
-            self.async_engine.start(asyncio.get_running_loop())
-        if self.async_engine.dead is not None:
-            raise EngineUnavailableError("the engine step loop has died; the replica will restart")
+    def _check_alive(self) -> None:
+        problem = self.async_engine.health_problem()
+        if problem is not None:
+            raise EngineDeadError(problem + "; the replica will be replaced")
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        """Stream the outputs of one request (first token at once, then coalesced)."""
-        self._ensure_started()
-        async for out in self.async_engine.generate(request):
-            yield out
+    async def generate(self, request: EngineRequest) -> AsyncIterator[list[EngineOutput]]:
+        """Stream the outputs of every choice of one request (first token at once, then coalesced)."""
+        self._check_alive()
+        async for outs in self.async_engine.generate(request):
+            yield outs
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request: AbortRequest) -> None:
         """Abort by id (no-op if unknown or finished); blocks are free at the next step."""
-        self._ensure_started()
-        self.async_engine.abort(request_id)
+        for rid in request.request_ids:
+            self.async_engine.abort(rid)
+
+    def _report(self) -> EngineReport:
+        return EngineReport(replica=self.replica, node_id=ray.get_runtime_context().get_node_id(),
+                            max_model_len=self.engine.max_model_len,
+                            healthy=self.async_engine.health_problem() is None,
+                            stats={**self.async_engine.snapshot(), **self.tracer.counters()})
 
     async def stats(self) -> dict[str, Any]:
-        """Gauges and counters for ``/metrics`` and tests."""
-        self._ensure_started()
-        return {**self.async_engine.stats().to_dict(), **self.async_engine.cancellation_stats(),
-                **self.tracer.counters()}
+        """This replica's gauges and counters (tests; ``/metrics`` reads every replica's report)."""
+        return {**self._report().stats, "replica": self.replica}
 
     async def info(self) -> dict[str, Any]:
-        self._ensure_started()
-        return {"max_model_len": self.engine.max_model_len, "alive": self.async_engine.is_alive}
+        return {"max_model_len": self.engine.max_model_len, "alive": self.async_engine.is_alive,
+                "replica": self.replica}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What :class:`stages.routing.EngineRouter` ranks replicas by (Serve calls this)."""
+        return {**self.async_engine.snapshot(), "seq": next(self._seq)}
+
+    async def _report_loop(self) -> None:
+        interval = self.settings.report_interval_s
+        while True:
+            try:
+                await self.directory.report.remote(self._report())
+            except Exception as exc:  # noqa: BLE001 - the directory restarts; keep reporting
+                logger.warning("engine report to the directory failed: %r", exc)
+            await asyncio.sleep(interval)
 
     def check_health(self) -> None:
-        """Serve restarts the replica when this raises."""
-        if self.async_engine.dead is not None:
-            raise RuntimeError(f"engine step loop died: {self.async_engine.dead!r}")
+        """Serve replaces the replica when this raises: the step loop died, or has had work and
+        made no progress for ``engine.stall_timeout_s``."""
+        problem = self.async_engine.health_problem()
+        if problem is not None:
+            raise RuntimeError(problem)

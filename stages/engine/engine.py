@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from stages.engine.block_manager import BlockManager
+from stages.engine.errors import DuplicateRequestIdError, PromptTooLongError, RequestRejectedError
 from stages.engine.request import EventType, Request, RequestStatus
 from stages.engine.scheduler import Scheduler, SchedulerConfig
 from stages.protocol import EngineOutput, SamplingParams, TokenLogprob
@@ -38,6 +39,8 @@ class EngineConfig:
     #: 0: the model's own context length (capped by the KV pool).
     max_model_len: int = 0
     enable_prefix_caching: bool = True
+    #: Linear-layer weights: auto (a GGUF's own quantisation on CPU, else float) | float32 | int4 | int8.
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -113,24 +116,29 @@ class LLMEngine:
             device=config.device, dtype=config.dtype, block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
             num_threads=config.num_threads,
+            weights=config.weights, model=config.model,
         ), load_config(config.model), load_state_dict(config.model))
         return cls(config, runner, info.eos_token_ids, info.vocab_size, info.max_model_len)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None) -> Request:
-        """Validate and enqueue a tokenised request. Raises ``ValueError`` when it can never run."""
+        """Validate and enqueue a tokenised request.
+
+        Raises :class:`DuplicateRequestIdError` for a live id, :class:`PromptTooLongError` when the
+        prompt leaves no room to generate, :class:`RequestRejectedError` for anything else that can
+        never run."""
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
         if n == 0:
-            raise ValueError("the prompt is empty")
+            raise RequestRejectedError("the prompt is empty")
         if n >= self.max_model_len:
-            raise ValueError(f"prompt has {n} tokens; the limit is {self.max_model_len - 1}")
+            raise PromptTooLongError(n, self.max_model_len)
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.vocab_size})")
+            raise RequestRejectedError(f"token ids must be in [0, {self.vocab_size})")
         if params.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+            raise RequestRejectedError("max_tokens must be >= 1")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
                       **({"arrival_time": arrival_time} if arrival_time is not None else {}))
         self.requests[request_id] = req

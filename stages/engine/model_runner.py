@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stages.engine.loader import quantized_weights, resolve_weights
 from stages.engine.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
 from stages.engine.sampler import Sampler, SamplingContext
 from stages.engine.scheduler import ScheduledRequest
@@ -34,6 +35,14 @@ class RunnerConfig:
     kv_cache_memory_gb: float = 1.0
     #: torch intra-op threads on CPU (0: leave torch's default).
     num_threads: int = 0
+    #: Linear-layer weights: auto | float32 | int4 | int8 (see :func:`loader.resolve_weights`).
+    weights: str = "float32"
+    #: The model's name, to find a GGUF's own blocks for ``weights`` int4.
+    model: str = ""
+    #: LM head under quantised weights: auto (see :func:`_lm_head_format`) | float | int4 | int8.
+    lm_head: str = "auto"
+    #: Quantised layers use their quantised kernel below this many rows, a dense GEMM at or above.
+    dense_min_rows: int = 16
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -61,8 +70,14 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.tie_and_init_buffers()
         model.load_hf_state_dict(state_dict)
+        self.weights = resolve_weights(config.weights, config.model, config.device)
+        if self.weights != "float32":
+            linears, lm_head = quantized_weights(self.weights, config.model, self.args, state_dict,
+                                                 config.lm_head)
+            model.quantize_(linears, lm_head, config.dense_min_rows)
         self.model = model.eval()
-        logger.info("model %s loaded on %s/%s in %.1fs", arch, self.device, self.dtype, time.monotonic() - t0)
+        logger.info("model %s loaded on %s/%s, %s weights, in %.1fs", arch, self.device, self.dtype,
+                    self.weights, time.monotonic() - t0)
 
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_gb)

@@ -242,6 +242,29 @@ class LlamaForCausalLM(nn.Module):
             x = x[meta.logits_indices]  # norm and lm_head only where a token is sampled
         return self.lm_head(self.norm(x))
 
+    def quantize_(self, linears: dict[str, Any], lm_head: Any | None, dense_min_rows: int) -> None:
+        """Swap every linear layer for a :class:`~stages.engine.quant.QuantLinear` built from
+        ``linears`` (quantised weights by Hugging Face name: ``GroupInt4`` or ``ChannelInt8``), fusing
+        q/k/v and gate/up as the float layers are fused; ``lm_head`` likewise when given. The
+        embedding stays a float table: a step reads only its own tokens' rows."""
+        from stages.engine.quant import QuantLinear
+
+        def fused(names: list[str], bias: nn.Linear | None = None) -> QuantLinear:
+            parts = [linears[n] for n in names]
+            weight = type(parts[0]).cat(parts) if len(parts) > 1 else parts[0]
+            b = bias.bias.detach() if bias is not None and bias.bias is not None else None
+            return QuantLinear(weight, b, dense_min_rows)
+
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            attn.qkv_proj = fused([p + f"self_attn.{n}_proj.weight" for n in "qkv"], attn.qkv_proj)
+            attn.o_proj = fused([p + "self_attn.o_proj.weight"])
+            layer.mlp.gate_up_proj = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            layer.mlp.down_proj = fused([p + "mlp.down_proj.weight"])
+        if lm_head is not None:
+            self.lm_head = QuantLinear(lm_head, None, dense_min_rows)
+
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy weights from transformers names, fusing q/k/v and gate/up projections."""
         def take(name: str) -> torch.Tensor:

@@ -1,0 +1,202 @@
+"""The app-wide directory: which Ingress replica owns each live request, and what every engine
+replica last reported.
+
+Why it exists: with N Ingress replicas, a ``POST /v1/requests/{id}/cancel`` can land on any of
+them, but only the replica holding the client's connection can end that stream properly; and
+``/health`` and ``/metrics`` must speak for every engine replica, while a Serve handle reaches
+only the one its router picks. Both need one place that knows the whole app.
+
+Design (built on Ray Serve itself: one small deployment, called through handles):
+- **Owners sync, batched.** Each Ingress replica sends the requests it started and finished since
+  its last call in one ``sync`` call; a single flusher per replica keeps the calls in order and
+  batches whatever accumulated while the previous call was in flight (cost: at most one call per
+  request start and one per finish, usually far fewer under load).
+- **Cancels travel on a long poll.** Each owner keeps one ``watch`` call open; a cancel for one of
+  its requests completes that call, and the owner ends the stream the normal way (an abort by id
+  routed to the engine replica that runs it). So the cancel reaches the owner within one RPC.
+- **Self-healing.** An owner that has not watched for ``owner_ttl_s`` is dead; its entries go. A
+  directory that restarted (and lost its state) answers the next ``watch`` with ``resync``, and the
+  owner sends its whole list again. Engine reports older than ``report_ttl_s`` count as gone.
+
+:class:`LiveDirectory` is the pure bookkeeping (unit-tested without Ray); :class:`DirectoryDeployment`
+is the Serve wrapper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ray import serve
+
+from stages.protocol import EngineReport, LiveEntry, WatchReply
+
+
+@dataclass
+class _Owner:
+    last_seen: float
+    mailbox: list[str] = field(default_factory=list)
+    wake: asyncio.Event | None = None
+
+
+class LiveDirectory:
+    """Live requests by id, response id and client label; owners' cancel mailboxes; engine reports."""
+
+    def __init__(self, owner_ttl_s: float = 60.0, report_ttl_s: float = 10.0) -> None:
+        self.owner_ttl_s = owner_ttl_s
+        self.report_ttl_s = report_ttl_s
+        self.entries: dict[str, LiveEntry] = {}
+        self._by_response: dict[str, str] = {}
+        self._by_label: dict[str, set[str]] = defaultdict(set)
+        self._owners: dict[str, _Owner] = {}
+        #: replica → (report, monotonic time received)
+        self._reports: dict[str, tuple[EngineReport, float]] = {}
+        #: Ingress replica → its own metrics (Prometheus text)
+        self.ingress_metrics: dict[str, str] = {}
+
+    # -- owners --------------------------------------------------------------------------------------
+    def sync(self, owner: str, added: list[LiveEntry], removed: list[str], full: bool = False) -> None:
+        """Apply an owner's batch. ``full`` replaces everything it owned (after a resync)."""
+        self._touch(owner)
+        if full:
+            for rid in [rid for rid, e in self.entries.items() if e.owner == owner]:
+                self._remove(rid)
+        for entry in added:
+            self._add(entry)
+        for rid in removed:
+            self._remove(rid)
+
+    def knows(self, owner: str) -> bool:
+        return owner in self._owners
+
+    def take_cancels(self, owner: str) -> list[str]:
+        box = self._touch(owner)
+        ids, box.mailbox = box.mailbox, []
+        return ids
+
+    def _touch(self, owner: str) -> _Owner:
+        box = self._owners.get(owner)
+        if box is None:
+            box = self._owners[owner] = _Owner(time.monotonic())
+        box.last_seen = time.monotonic()
+        return box
+
+    def prune(self, now: float | None = None) -> list[str]:
+        """Forget owners that stopped watching (their replica died) and their entries."""
+        now = time.monotonic() if now is None else now
+        dead = [o for o, box in self._owners.items() if now - box.last_seen > self.owner_ttl_s]
+        for owner in dead:
+            del self._owners[owner]
+            self.ingress_metrics.pop(owner, None)
+            for rid in [rid for rid, e in self.entries.items() if e.owner == owner]:
+                self._remove(rid)
+        for replica in [r for r, (_, at) in self._reports.items() if now - at > self.report_ttl_s]:
+            del self._reports[replica]
+        return dead
+
+    def _add(self, entry: LiveEntry) -> None:
+        self.entries[entry.request_id] = entry
+        self._by_response[entry.response_id] = entry.request_id
+        if entry.client_request_id:
+            self._by_label[entry.client_request_id].add(entry.request_id)
+
+    def _remove(self, rid: str) -> None:
+        entry = self.entries.pop(rid, None)
+        if entry is None:
+            return
+        self._by_response.pop(entry.response_id, None)
+        if entry.client_request_id:
+            ids = self._by_label.get(entry.client_request_id)
+            if ids is not None:
+                ids.discard(rid)
+                if not ids:
+                    del self._by_label[entry.client_request_id]
+
+    # -- cancel --------------------------------------------------------------------------------------
+    def find(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
+        """Live requests named by ``key``: a response id or minted id names exactly one; a client
+        label names every live request carrying it. With API keys on, only the creating key's."""
+        rid = self._by_response.get(key) or (key if key in self.entries else None)
+        ids = [rid] if rid is not None else sorted(self._by_label.get(key, ()))
+        found = [self.entries[i] for i in ids]
+        return [e for e in found if e.api_key_id is None or e.api_key_id == api_key_id]
+
+    def cancel(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
+        """Post a cancel to the owner of every request ``key`` names; returns them."""
+        found = self.find(key, api_key_id)
+        for entry in found:
+            box = self._owners.get(entry.owner)
+            if box is not None:
+                box.mailbox.append(entry.request_id)
+                if box.wake is not None:
+                    box.wake.set()
+        return found
+
+    # -- engines -------------------------------------------------------------------------------------
+    def report(self, report: EngineReport) -> None:
+        self._reports[report.replica] = (report, time.monotonic())
+
+    def engine_reports(self) -> list[EngineReport]:
+        """The latest report of every engine replica still reporting."""
+        self.prune()
+        return [r for r, _ in self._reports.values()]
+
+
+@serve.deployment(name="Directory", num_replicas=1, max_ongoing_requests=4096,
+                  ray_actor_options={"num_cpus": 0.05})
+class DirectoryDeployment:
+    """One replica: the directory's state must be in one place. Restarts heal (see module doc)."""
+
+    def __init__(self, watch_timeout_s: float = 10.0, report_ttl_s: float = 5.0) -> None:
+        self.watch_timeout_s = watch_timeout_s
+        self.live = LiveDirectory(owner_ttl_s=max(6 * watch_timeout_s, 30.0), report_ttl_s=report_ttl_s)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def sync(self, owner: str, added: list[LiveEntry], removed: list[str], full: bool = False) -> None:
+        self.live.sync(owner, added, removed, full)
+
+    async def watch(self, owner: str) -> WatchReply:
+        """Long poll: returns as soon as a cancel for ``owner`` arrives, or after the timeout. An
+        owner this directory does not know (it restarted, or pruned the owner) must resync."""
+        if not self.live.knows(owner):
+            return WatchReply(resync=True)
+        box = self.live._touch(owner)
+        if not box.mailbox:
+            box.wake = asyncio.Event()
+            try:
+                await asyncio.wait_for(box.wake.wait(), self.watch_timeout_s)
+            except TimeoutError:
+                pass
+            finally:
+                box.wake = None
+        self.live.prune()
+        return WatchReply(cancel_ids=self.live.take_cancels(owner))
+
+    async def cancel(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
+        return self.live.cancel(key, api_key_id)
+
+    async def report(self, report: EngineReport) -> None:
+        self.live.report(report)
+
+    async def report_ingress(self, owner: str, metrics_text: str) -> None:
+        self.live.ingress_metrics[owner] = metrics_text
+
+    async def metrics_snapshot(self) -> tuple[dict[str, str], list[EngineReport]]:
+        """Every Ingress replica's metrics text and every engine's latest report."""
+        return dict(self.live.ingress_metrics), self.live.engine_reports()
+
+    async def engines(self) -> list[EngineReport]:
+        return self.live.engine_reports()
+
+    async def num_live(self) -> int:
+        """Live requests known app-wide (tests and the soak check that nothing is left)."""
+        return len(self.live.entries)
+
+    async def max_model_len(self) -> int | None:
+        """The smallest context length of the engines reporting (what every stage must enforce)."""
+        lens = [r.max_model_len for r in self.live.engine_reports() if r.max_model_len]
+        return min(lens) if lens else None

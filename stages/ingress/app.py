@@ -1,0 +1,458 @@
+"""Ingress stage: the OpenAI-compatible HTTP API (Starlette inside a Ray Serve deployment).
+
+Routes are thin: parse and validate, open the request's life (:mod:`.lifecycle`: minted id, trace,
+registry), call Preprocess (unary) then Egress (a typed stream), answer with JSON or relay SSE
+(:mod:`.sse`). Every exception becomes HTTP in :mod:`.errors`, and every request, whatever its
+outcome, ends in :meth:`Lifecycle.close`, which writes its one log line.
+
+Cancellation: when the client disconnects, Starlette cancels the response; the Egress call is
+cancelled, Ray Serve carries that to Egress and on to the engine stream, whose ``finally`` aborts
+the request by id in the engine replica that owns it. ``POST /v1/requests/{id}/cancel`` ends a
+request (on any Ingress replica) through an abort routed to its engine replica instead, so the
+client still receives what was generated, ``finish_reason: "abort"`` and ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from ray import serve
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from stages.config import AppConfig
+from stages.errors import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    ModelNotFoundError,
+    NotFoundError,
+    PayloadTooLargeError,
+    RequestTimeoutError,
+)
+from stages.ingress.errors import error_response, to_serve_error
+from stages.ingress.lifecycle import Lifecycle, LiveRequest
+from stages.ingress.sse import ClosingStreamingResponse, first_item, relay
+from stages.metrics import IngressMetrics, RequestRecord, render_app
+from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
+from stages.openai_format import (
+    SSE_HEADERS,
+    SSE_KEEPALIVE,
+    TIMING_FIELD,
+    final_stream_chunk,
+    server_timing_header,
+    sse_event,
+    usage,
+)
+from stages.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    messages_to_dicts,
+    parse_request,
+    to_sampling_params,
+)
+from stages.protocol import AbortRequest, GenerationJob, PreprocessRequest, StreamFrame, StreamSummary
+from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
+
+logger = logging.getLogger("lifecycle.ingress")
+#: One JSON line per finished request (stderr with the rest; optionally also a file).
+request_log = logging.getLogger("lifecycle.requests")
+
+VERSION = "0.2.0"
+#: Response header carrying the server-minted request id (the response ``id`` holds it too).
+SERVER_ID_HEADER = "X-Server-Request-Id"
+MAX_REQUEST_ID_LEN = 128
+#: Seconds between this replica's metrics reports to the directory.
+METRICS_REPORT_S = 2.0
+#: Seconds a health or metrics probe of another stage may take.
+PROBE_TIMEOUT_S = 5.0
+
+
+def validate_request_id(value: str | None) -> str | None:
+    """A client-supplied ``X-Request-Id``: printable ASCII, 1..128 characters."""
+    if value is None:
+        return None
+    if not value or len(value) > MAX_REQUEST_ID_LEN or not (value.isascii() and value.isprintable()):
+        raise InvalidRequestError(
+            f"X-Request-Id must be 1..{MAX_REQUEST_ID_LEN} printable ASCII characters", param="X-Request-Id")
+    return value
+
+
+def _ms(seconds: float | None) -> float:
+    return round((seconds or 0.0) * 1000.0, 3)
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (unit tests)
+        return "local"
+
+
+@serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25},
+                  graceful_shutdown_timeout_s=10)
+@serve.ingress()
+class Ingress:
+    """HTTP front door. Handles to the other stages are created once and reused."""
+
+    async def __init__(self, preprocess: Any, egress: Any, engine: Any, app_config: dict[str, Any],
+                       directory: Any = None) -> None:
+        self.cfg = AppConfig.from_args(app_config)
+        configure_logging()
+        if self.cfg.http.request_log_file:
+            handler = logging.FileHandler(self.cfg.http.request_log_file)
+            handler.setFormatter(logging.Formatter("%(message)s"))  # pure JSON lines
+            request_log.addHandler(handler)
+        configure_tracing(self.cfg.tracing, component="ingress")
+        self.preprocess = preprocess
+        self.egress_stream = egress.options(stream=True)
+        self.egress = egress
+        self.engine = engine
+        self.directory = directory
+        self.served_name = self.cfg.served_model_name or (
+            EMBEDDED_SERVED_NAME if self.cfg.model == EMBEDDED_MODEL else self.cfg.model.rstrip("/").split("/")[-1])
+        self.metrics = IngressMetrics(self.served_name)
+        self.created = int(time.time())
+        self.replica = _replica_id()
+        self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close)
+        self._background = []
+        if directory is not None:
+            self._background = [asyncio.create_task(self.lifecycle.watch_forever()),
+                                asyncio.create_task(self._report_metrics_forever())]
+
+    def __serve_build_asgi_app__(self) -> Starlette:
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/requests/{request_id}/cancel", self.cancel, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+        ]
+
+        async def http_error(_: Request, exc: Exception) -> Response:
+            assert isinstance(exc, HTTPException)
+            if exc.status_code == 404:
+                return error_response(NotFoundError("Not found."))
+            if exc.status_code == 405:
+                return error_response(MethodNotAllowedError("Method not allowed."))
+            return error_response(InvalidRequestError(str(exc.detail)))
+
+        async def any_error(_: Request, exc: Exception) -> Response:
+            return error_response(exc)
+
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: any_error})
+
+    # -- helpers --------------------------------------------------------------------------------------
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.cfg.http.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise PayloadTooLargeError(f"Request body is {declared} bytes; the limit is {limit}.")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLargeError(f"Request body exceeds the limit of {limit} bytes.")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_name:
+            raise ModelNotFoundError(model)
+
+    def _deadline(self, live: LiveRequest) -> float | None:
+        timeout = self.cfg.http.request_timeout_s
+        return live.t0 + timeout if timeout else None
+
+    async def _abort(self, request: AbortRequest) -> None:
+        await self.engine.abort.remote(request)
+
+    # -- generation -----------------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "completion")
+
+    async def _generate(self, request: Request, kind: str) -> Response:
+        t_arrival = time.perf_counter()
+        span = get_tracer().start_span(
+            "POST /v1/chat/completions" if kind == "chat" else "POST /v1/completions",
+            context=extract(request.headers), kind=SpanKind.SERVER)
+        label = request.headers.get("x-request-id")
+        live = self.lifecycle.open(kind, span, t0=t_arrival,
+                                   client_request_id=label if label and len(label) <= MAX_REQUEST_ID_LEN else None)
+        span.set_attribute("lifecycle.request_id", live.request_id)
+        gen: Any = None
+        try:
+            validate_request_id(label)
+            if label is not None:
+                span.set_attribute("lifecycle.client_request_id", label)
+            cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+            req = parse_request(cls, await self._read_body(request))
+            self._check_model(req.model)
+            span.set_attributes({"gen_ai.request.model": req.model,
+                                 "gen_ai.operation.name": "chat" if kind == "chat" else "text_completion",
+                                 "gen_ai.request.max_tokens": req.requested_max_tokens or 0,
+                                 "http.request.method": "POST", "lifecycle.stream": req.stream})
+            pre = PreprocessRequest(
+                request_id=live.request_id,
+                sampling_params=to_sampling_params(req, default_max_tokens=1),
+                requested_max_tokens=req.requested_max_tokens,
+                messages=messages_to_dicts(req) if kind == "chat" else None,
+                prompt=None if kind == "chat" else req.prompt,
+                trace_context=inject(span),
+                n=req.n,
+            )
+            engine_request = await self.preprocess.process.remote(pre)
+            live.prep = time.perf_counter() - t_arrival
+            live.prompt_text = engine_request.prompt_text
+            job = GenerationJob(engine_request=engine_request, kind=kind, model_name=self.served_name,
+                                response_id=live.response_id, created=int(time.time()), n=req.n,
+                                stream=req.stream, include_usage=req.include_usage,
+                                echo=getattr(req, "echo", False))
+            # Wait for the engine to accept, so a full queue or a rejected request still gets its
+            # HTTP status; after this the answer is a 200.
+            gen = self.egress_stream.stream.remote(job)
+            deadline = self._deadline(live)
+            start = await asyncio.wait_for(first_item(gen), deadline - time.perf_counter() if deadline else None)
+            self.lifecycle.started(live, start)
+            if req.stream:
+                return self._stream(gen, job, live)
+            return await self._complete(gen, job, live)
+        except BaseException as exc:
+            if gen is not None:
+                gen.cancel()
+            if isinstance(exc, asyncio.CancelledError):
+                self.lifecycle.close(live, "client_gone")
+                raise
+            err = to_serve_error(RequestTimeoutError() if isinstance(exc, TimeoutError) else exc)
+            live.status = err.status_code
+            self.lifecycle.close(live, "timeout" if isinstance(err, RequestTimeoutError) else "error")
+            return error_response(err, headers=self._id_headers(live))
+
+    def _id_headers(self, live: LiveRequest) -> dict[str, str]:
+        return {SERVER_ID_HEADER: live.request_id}
+
+    async def _complete(self, gen: Any, job: GenerationJob, live: LiveRequest) -> Response:
+        summary: StreamSummary | None = None
+        async for item in relay(gen, keepalive_s=3600.0, deadline=self._deadline(live)):
+            if isinstance(item, StreamSummary):
+                summary = item
+        assert summary is not None and summary.body is not None
+        timings = self._timings(live, summary)
+        body = summary.body
+        body[TIMING_FIELD] = timings
+        self.lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", summary, timings)
+        headers = {**self._id_headers(live), "Server-Timing": server_timing_header(timings)}
+        return JSONResponse(body, headers=headers)
+
+    def _stream(self, gen: Any, job: GenerationJob, live: LiveRequest) -> Response:
+        """The SSE response: Egress frames, heartbeats while nothing comes, closing events."""
+        interval = self.cfg.http.keepalive_interval_s
+
+        async def body() -> Any:
+            events = 0  # Egress numbers its events from 0; the closing events continue the count
+            try:
+                async for item in relay(gen, interval, self._deadline(live)):
+                    if item is None:
+                        yield SSE_KEEPALIVE
+                    elif isinstance(item, StreamFrame):
+                        events += 1
+                        live.mark_tokens(item.num_tokens)
+                        yield item.data
+                    else:
+                        timings = self._timings(live, item)
+                        usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
+                                      if job.include_usage else None)
+                        yield sse_event(final_stream_chunk(job.kind, job.response_id, job.created, job.model_name,
+                                                           usage_body, timings), events)
+                        yield sse_event("[DONE]", events + 1)
+                        self.lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", item, timings)
+                        return
+            except (asyncio.CancelledError, GeneratorExit):
+                live.outcome = "client_gone"
+                raise
+            except Exception as exc:  # noqa: BLE001 - the status is sent: report in-band, then end
+                err = to_serve_error(exc)
+                live.status = err.status_code
+                live.outcome = "timeout" if isinstance(err, RequestTimeoutError) else "error"
+                yield sse_event(err.to_dict(), events)
+                yield sse_event("[DONE]", events + 1)
+
+        def on_close() -> None:
+            if not live.closed:
+                gen.cancel()  # Ray Serve carries this to Egress and on to the engine: abort
+                self.lifecycle.close(live, "client_gone" if live.outcome == "ok" else None)
+
+        return ClosingStreamingResponse(body(), on_close, media_type="text/event-stream",
+                                        headers={**SSE_HEADERS, **self._id_headers(live)})
+
+    # -- accounting (once per request, from Lifecycle.close) -----------------------------------------
+    def _timings(self, live: LiveRequest, summary: StreamSummary) -> dict[str, float]:
+        eng = summary.engine_timings
+        return {"prep": _ms(live.prep), "queue": _ms(eng.get("queue")), "prefill": _ms(eng.get("prefill")),
+                "decode": _ms(eng.get("decode")), "egress": _ms(summary.egress_busy), "total": _ms(live.elapsed())}
+
+    def _on_close(self, live: LiveRequest, summary: StreamSummary | None, timings: dict[str, float] | None) -> None:
+        span = live.span
+        if summary is not None:
+            if span.is_recording():
+                span.set_attributes({"gen_ai.usage.input_tokens": summary.prompt_tokens,
+                                     "gen_ai.usage.output_tokens": summary.completion_tokens,
+                                     "gen_ai.response.finish_reasons": summary.finish_reasons,
+                                     "http.response.status_code": 200})
+            self.metrics.observe_request(RequestRecord(
+                kind=live.kind, prompt_tokens=summary.prompt_tokens, completion_tokens=summary.completion_tokens,
+                finish_reasons=summary.finish_reasons, timings_ms=timings or {}, ttft_s=live.ttft,
+                itls_s=live.itls, stream=bool(summary.body is None)))
+        elif live.status != 200:
+            self.metrics.observe_error(live.status)
+            if span.is_recording():
+                span.set_attribute("http.response.status_code", live.status)
+                if live.status >= 500:
+                    span.set_status(Status(StatusCode.ERROR, live.outcome))
+        else:
+            self.metrics.observe_abort(live.outcome)
+            span.add_event("abort", {"reason": live.outcome})
+            span.set_status(Status(StatusCode.ERROR, live.outcome))
+        span.end()
+        self._log(live, summary, timings)
+
+    def _log(self, live: LiveRequest, summary: StreamSummary | None, timings: dict[str, float] | None) -> None:
+        """One structured line per request, for every outcome; the prompt only when enabled."""
+        ctx = live.span.get_span_context()
+        record: dict[str, Any] = {
+            "event": "request_finished", "request_id": live.request_id, "x_request_id": live.client_request_id,
+            "trace_id": format(ctx.trace_id, "032x") if ctx.is_valid else None,
+            "kind": live.kind, "outcome": live.outcome, "status": live.status,
+            "timings_ms": timings or {"total": _ms(live.elapsed())},
+        }
+        if summary is not None:
+            record.update(prompt_tokens=summary.prompt_tokens, completion_tokens=summary.completion_tokens,
+                          cached_tokens=summary.cached_tokens, finish_reasons=summary.finish_reasons)
+        if self.cfg.http.log_prompts and live.prompt_text is not None:
+            record["prompt"] = live.prompt_text[: self.cfg.http.max_log_len]
+        request_log.info(json.dumps(record, separators=(",", ":"), ensure_ascii=False))
+
+    # -- cancel by id ---------------------------------------------------------------------------------
+    async def cancel(self, request: Request) -> Response:
+        """``POST /v1/requests/{id}/cancel``: a response id (or server id) cancels that request; a
+        client ``X-Request-Id`` cancels every live request carrying it, on any replica."""
+        key = request.path_params["request_id"]
+        try:
+            entries = await self.lifecycle.cancel(key)
+        except Exception as exc:  # noqa: BLE001 - rendered in the one place
+            return error_response(exc)
+        if not entries:
+            return error_response(NotFoundError(f"No live request has the id {key!r}.", param="request_id",
+                                                code="request_not_found"))
+        return JSONResponse({"object": "cancellation", "id": key, "cancelled": [
+            {"id": e.response_id, "x_request_id": e.client_request_id} for e in entries]})
+
+    # -- whole-app views --------------------------------------------------------------------------------
+    async def health(self, request: Request) -> Response:
+        """200 only when every stage has a live replica and every engine's step loop is making
+        progress (each engine reports to the directory; a silent one has died)."""
+        problems = await self._health_problems()
+        if problems:
+            return error_response(EngineUnavailableError("; ".join(problems)))
+        return JSONResponse({"status": "ok"})
+
+    async def _health_problems(self) -> list[str]:
+        async def probe(name: str, call: Any) -> tuple[str, Any, BaseException | None]:
+            try:
+                return name, await asyncio.wait_for(call, PROBE_TIMEOUT_S), None
+            except Exception as exc:  # noqa: BLE001 - any failure means not healthy
+                return name, None, exc
+
+        calls = [probe("Preprocess", self.preprocess.ping.remote()), probe("Egress", self.egress.ping.remote())]
+        if self.directory is not None:
+            calls.append(probe("Directory", self.directory.engines.remote()))
+        else:
+            calls.append(probe("Engine", self.engine.info.remote()))
+        problems = []
+        for name, result, exc in await asyncio.gather(*calls):
+            if exc is not None:
+                problems.append(f"{name} is not answering ({type(exc).__name__})")
+            elif name == "Directory":
+                if not result:
+                    problems.append("no engine replica is reporting")
+                problems += [f"engine {r.replica} is not making progress" for r in result if not r.healthy]
+            elif name == "Engine" and not result.get("alive", False):
+                problems.append("the engine step loop is not running")
+        return problems
+
+    async def _report_metrics_forever(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_REPORT_S)
+            try:
+                await self.directory.report_ingress.remote(self.replica, self.metrics.exposition())
+            except Exception as exc:  # noqa: BLE001 - the directory restarts; keep reporting
+                logger.warning("metrics report to the directory failed: %r", exc)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        ingress_texts, engines = {self.replica: self.metrics.exposition()}, []
+        if self.directory is not None:
+            try:
+                # Report first: the directory's copy only moves forward, so whichever replica
+                # answers the next scrape, no counter goes backwards.
+                await asyncio.wait_for(self.directory.report_ingress.remote(self.replica, ingress_texts[self.replica]),
+                                       PROBE_TIMEOUT_S)
+                ingress_texts, engines = await asyncio.wait_for(self.directory.metrics_snapshot.remote(),
+                                                                PROBE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - still serve this replica's own metrics
+                logger.warning("directory unavailable for /metrics: %r", exc)
+        body, content_type = render_app(self.served_name, ingress_texts, engines)
+        return PlainTextResponse(body, media_type=content_type)
+
+    # -- other routes ---------------------------------------------------------------------------------
+    async def _max_model_len(self) -> int | None:
+        try:
+            if self.directory is not None:
+                return await asyncio.wait_for(self.directory.max_model_len.remote(), PROBE_TIMEOUT_S)
+            info = await asyncio.wait_for(self.engine.info.remote(), PROBE_TIMEOUT_S)
+            return int(info["max_model_len"])
+        except Exception:  # noqa: BLE001 - model listing must not fail because a stage is busy
+            return None
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.served_name, "object": "model", "created": self.created, "owned_by": "lifecycle-serve",
+             "root": self.cfg.model, "max_model_len": await self._max_model_len()}]})
+
+    async def version(self, request: Request) -> Response:
+        return JSONResponse({"version": VERSION})
+
+    async def tokenize(self, request: Request) -> Response:
+        try:
+            req = parse_request(TokenizeRequest, await self._read_body(request))
+            self._check_model(req.model)
+            result = await self.preprocess.tokenize.remote({
+                "prompt": req.prompt, "messages": messages_to_dicts(req) if req.messages is not None else None,
+                "add_generation_prompt": req.add_generation_prompt, "add_special_tokens": bool(req.add_special_tokens)})
+            return JSONResponse(result)
+        except Exception as exc:  # noqa: BLE001 - rendered in the one place
+            return error_response(exc)
+
+    async def detokenize(self, request: Request) -> Response:
+        try:
+            req = parse_request(DetokenizeRequest, await self._read_body(request))
+            self._check_model(req.model)
+            return JSONResponse(await self.preprocess.detokenize.remote(req.tokens))
+        except Exception as exc:  # noqa: BLE001
+            return error_response(exc)

@@ -1,0 +1,243 @@
+"""Live requests of one Ingress replica: identity, cancel by id, and cleanup on every outcome.
+
+Identity: every API request gets a server-minted id (:func:`mint_request_id`), unique across the
+cluster and never reused. The engine, Egress and the directory key everything by it; the client's
+``X-Request-Id`` is only a label (echoed, logged, traced, usable for cancel).
+
+Cleanup: :meth:`Lifecycle.close` is the one exit of every request, whatever the outcome (ok,
+client gone, cancelled, timeout, any error status). It runs exactly once per request: the entry
+leaves the local registry and the directory, the span ends, metrics are observed and one log
+line is written (through ``on_close``).
+
+Cancel by id: :meth:`Lifecycle.cancel` finds requests by response id, minted id or client label,
+here and (through the directory) on every other Ingress replica. The replica that owns a request
+ends it the normal way: an abort by id, routed to the engine replica that runs it, so each choice
+finishes with ``finish_reason="abort"`` and the client still gets what was generated and
+``[DONE]``. A cancel that arrives before the engine has the request is applied the moment it does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stages.protocol import AbortRequest, LiveEntry, StreamStart
+
+logger = logging.getLogger("lifecycle.ingress")
+
+
+def mint_request_id() -> str:
+    """A fresh server request id: 128 random bits, hex (no ``-``, so choice ids stay unambiguous)."""
+    return uuid.uuid4().hex
+
+
+def response_id(kind: str, request_id: str) -> str:
+    """The OpenAI response ``id`` of a request."""
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+
+
+@dataclass
+class LiveRequest:
+    """Per-request state owned by Ingress: ids, clocks (this process only), span, outcome."""
+
+    request_id: str
+    kind: str
+    span: Any
+    client_request_id: str | None = None
+    api_key_id: str | None = None
+    t0: float = field(default_factory=time.perf_counter)
+    #: Seconds from arrival until Preprocess returned (parse + template + tokenise + the hop).
+    prep: float = 0.0
+    ttft: float | None = None
+    last_token_at: float | None = None
+    itls: list[float] = field(default_factory=list)
+    outcome: str = "ok"
+    status: int = 200
+    #: Where the engine runs it; set once the engine accepted the request.
+    engine_replica: str | None = None
+    engine_ids: list[str] = field(default_factory=list)
+    cancel_requested: bool = False
+    closed: bool = False
+    #: Rendered prompt, for opt-in logging only.
+    prompt_text: str | None = None
+
+    @property
+    def response_id(self) -> str:
+        return response_id(self.kind, self.request_id)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def mark_tokens(self, num_tokens: int) -> None:
+        """Clock a streamed event carrying ``num_tokens`` tokens (TTFT and inter-token gaps)."""
+        if not num_tokens:
+            return
+        now = time.perf_counter()
+        if self.ttft is None:
+            self.ttft = now - self.t0
+        elif self.last_token_at is not None:
+            # Coalesced events carry several tokens: spread the gap over them.
+            self.itls.extend([(now - self.last_token_at) / num_tokens] * num_tokens)
+        self.last_token_at = now
+
+    def entry(self, owner: str) -> LiveEntry:
+        return LiveEntry(self.request_id, self.response_id, owner, self.client_request_id, self.api_key_id)
+
+
+#: Sends an abort to the engine replica it names.
+AbortFn = Callable[[AbortRequest], Awaitable[None]]
+#: Called once per request from :meth:`Lifecycle.close`: (request, summary or None, timings or None).
+CloseHook = Callable[[LiveRequest, Any, "dict[str, float] | None"], None]
+
+
+class Lifecycle:
+    """The live-request registry of one Ingress replica, kept in sync with the app's directory."""
+
+    def __init__(self, owner: str, *, directory: Any = None, abort: AbortFn | None = None,
+                 on_close: CloseHook | None = None) -> None:
+        self.owner = owner
+        self.directory = directory
+        self.abort = abort
+        self.on_close = on_close
+        self.live: dict[str, LiveRequest] = {}
+        # Directory changes not yet sent; an entry opened and closed within one batch is never sent.
+        self._added: dict[str, LiveEntry] = {}
+        self._removed: list[str] = []
+        self._resync = True
+        self._flushing = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- open / start / close ------------------------------------------------------------------------
+    def open(self, kind: str, span: Any, *, client_request_id: str | None = None, api_key_id: str | None = None,
+             t0: float | None = None) -> LiveRequest:
+        """Mint an id and register a new request (in the directory too, batched)."""
+        live = LiveRequest(mint_request_id(), kind, span, client_request_id, api_key_id)
+        if t0 is not None:
+            live.t0 = t0
+        self.live[live.request_id] = live
+        self._added[live.request_id] = live.entry(self.owner)
+        self._schedule_flush()
+        return live
+
+    def started(self, live: LiveRequest, start: StreamStart) -> None:
+        """The engine accepted the request: remember where, and apply a cancel that came early."""
+        live.engine_replica = start.engine_replica
+        live.engine_ids = list(start.engine_request_ids)
+        if live.cancel_requested:
+            self._send_abort(live)
+
+    def close(self, live: LiveRequest, outcome: str | None = None, summary: Any = None,
+              timings: dict[str, float] | None = None) -> bool:
+        """End the request's life here: exactly once, whatever called it. Returns False when it
+        had already been closed."""
+        if live.closed:
+            return False
+        live.closed = True
+        if outcome is not None:
+            live.outcome = outcome
+        self.live.pop(live.request_id, None)
+        if self._added.pop(live.request_id, None) is None:
+            self._removed.append(live.request_id)
+            self._schedule_flush()
+        if self.on_close is not None:
+            try:
+                self.on_close(live, summary, timings)
+            except Exception:  # observability must never break the response path
+                logger.exception("close hook failed for %s", live.request_id)
+        return True
+
+    # -- cancel ----------------------------------------------------------------------------------------
+    def find_local(self, key: str, api_key_id: str | None = None) -> list[LiveRequest]:
+        """Local requests named by ``key`` (response id, minted id, or client label)."""
+        by_id = self.live.get(key) or next((r for r in self.live.values() if r.response_id == key), None)
+        found = [by_id] if by_id is not None else [r for r in self.live.values() if r.client_request_id == key]
+        return [r for r in found if r.api_key_id is None or r.api_key_id == api_key_id]
+
+    def cancel_local(self, request_id: str) -> bool:
+        """Cancel one request this replica owns; False if it is not (or no longer) live here."""
+        live = self.live.get(request_id)
+        if live is None or live.closed:
+            return False
+        if not live.cancel_requested:
+            live.cancel_requested = True
+            live.span.add_event("cancel_requested")
+            if live.engine_replica is not None:
+                self._send_abort(live)
+        return True
+
+    async def cancel(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
+        """Cancel every live request ``key`` names, on any Ingress replica. Returns them."""
+        local = self.find_local(key, api_key_id)
+        for live in local:
+            self.cancel_local(live.request_id)
+        found = {live.request_id: live.entry(self.owner) for live in local}
+        exact = len(local) == 1 and key in (local[0].request_id, local[0].response_id)
+        if self.directory is not None and not exact:
+            for entry in await self.directory.cancel.remote(key, api_key_id):
+                found.setdefault(entry.request_id, entry)
+        return list(found.values())
+
+    def _send_abort(self, live: LiveRequest) -> None:
+        if self.abort is None or not live.engine_ids:
+            return
+        self._spawn(self.abort(AbortRequest(live.engine_replica or "", list(live.engine_ids))))
+
+    # -- directory sync ----------------------------------------------------------------------------------
+    def _schedule_flush(self) -> None:
+        if self.directory is None or self._flushing:
+            return
+        self._flushing = True
+        self._spawn(self._flush())
+
+    async def _flush(self) -> None:
+        """One sync call at a time, in order, each carrying everything that accumulated."""
+        try:
+            while self._added or self._removed or self._resync:
+                full, self._resync = self._resync, False
+                if full:
+                    added = [live.entry(self.owner) for live in self.live.values()]
+                    removed: list[str] = []
+                else:
+                    added, removed = list(self._added.values()), self._removed
+                self._added, self._removed = {}, []
+                try:
+                    await self.directory.sync.remote(self.owner, added, removed, full)
+                except Exception as exc:  # noqa: BLE001 - the directory restarts; resend everything
+                    logger.warning("directory sync failed (%r); will resync", exc)
+                    self._resync = True
+                    await asyncio.sleep(1.0)
+        finally:
+            self._flushing = False
+
+    async def watch_forever(self) -> None:
+        """Long-poll the directory for cancels of requests this replica owns."""
+        while True:
+            try:
+                reply = await self.directory.watch.remote(self.owner)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep watching through directory restarts
+                logger.warning("directory watch failed: %r", exc)
+                await asyncio.sleep(1.0)
+                continue
+            if reply.resync:
+                self._resync = True
+                self._schedule_flush()
+                await asyncio.sleep(0.05)
+            for rid in reply.cancel_ids:
+                self.cancel_local(rid)
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)  # keep a reference until done (the loop holds only weak ones)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.warning("ingress background call failed: %r", task.exception())
