@@ -12,7 +12,7 @@ export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup serve test test-fast bench lint clean
+.PHONY: setup serve test test-fast bench lint clean nginx peer
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,8 +34,16 @@ setup: $(STAMP) $(MODEL)
 serve: setup
 	$(VENV)/bin/serve run serve_config.yaml
 
-test: setup
+test: setup nginx
 	$(PY) -m pytest -q
+
+# Debian's nginx for the proxy benchmark and its test (installed with apt where missing).
+nginx:
+	bash bench/ensure_nginx.sh
+
+# Opt-in: llama.cpp's llama-server, the peer for `python -m bench compare` (~30 min on 2 cores).
+peer: setup
+	PY=$(PY) bash bench/build_peer.sh
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not serve"

@@ -9,6 +9,11 @@ PY="${PY:-python3}"
 JOBS="${JOBS:-$(nproc)}"
 mkdir -p "$PEER_DIR"
 if [ -x "$PEER_DIR/llama-server" ]; then echo "peer already built: $PEER_DIR/llama-server"; exit 0; fi
+if ! command -v cmake >/dev/null 2>&1 || ! command -v c++ >/dev/null 2>&1; then
+  echo "installing cmake and g++ with apt-get" >&2
+  SUDO=""; if [ "$(id -u)" -ne 0 ]; then SUDO="sudo -n"; fi
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq cmake g++ make
+fi
 work="$PEER_DIR/src"
 mkdir -p "$work"
 if [ ! -d "$work/llama_cpp_python-$VERSION" ]; then
