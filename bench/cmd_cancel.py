@@ -11,13 +11,17 @@ import time
 from typing import Any
 
 from bench import prom, report
-from bench.target import chat_body, exact_prompt, probe, stream_chat
+from bench.target import StreamRecord, chat_body, exact_prompt, probe, stream_chat
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=20, help="long generations started together")
     p.add_argument("--drop", type=int, default=10, help="clients dropped")
-    p.add_argument("--drop-after", type=float, default=1.0, help="seconds before dropping")
+    p.add_argument("--drop-after", type=float, default=1.0,
+                   help="seconds before dropping, counted from when every stream has its first token "
+                        "(so all of them are in the engine; see --from-start)")
+    p.add_argument("--from-start", action="store_true",
+                   help="count --drop-after from sending the requests instead")
     p.add_argument("--observe", type=float, default=5.0, help="seconds watched after the drop")
     p.add_argument("--max-tokens", type=int, default=1024, help="tokens each generation asks for")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length")
@@ -48,7 +52,15 @@ async def one_round(a: argparse.Namespace, target: Any, bar: Any) -> dict[str, A
             t0_base = dict(samples[0])
         else:
             t0_base = {}
-        tasks = [asyncio.create_task(stream_chat(c, chat_body(target.model, p, a.max_tokens))) for p in prompts]
+        recs = [StreamRecord() for _ in prompts]
+        tasks = [asyncio.create_task(stream_chat(c, chat_body(target.model, p, a.max_tokens), rec=r))
+                 for p, r in zip(prompts, recs, strict=True)]
+        t_all_started = None
+        if not a.from_start:
+            deadline = time.perf_counter() + 120
+            while any(not r.event_times and r.error is None for r in recs) and time.perf_counter() < deadline:
+                await asyncio.sleep(0.02)
+            t_all_started = time.perf_counter() - t0
         await asyncio.sleep(a.drop_after)
         t_drop = time.perf_counter() - t0
         for t in tasks[:a.drop]:
@@ -71,7 +83,10 @@ async def one_round(a: argparse.Namespace, target: Any, bar: Any) -> dict[str, A
         stop.set()
         if poller:
             await poller
-    return analyse(a, samples, t_drop, t_rest, t0_base, at_rest)
+    out = analyse(a, samples, t_drop, t_rest, t0_base, at_rest)
+    out["t_all_first_token_s"] = t_all_started
+    out["dropped_tokens_received"] = [r.completion_tokens or len(r.event_times) for r in recs[:a.drop]]
+    return out
 
 
 def analyse(a: argparse.Namespace, samples: list[dict[str, Any]], t_drop: float, t_rest: float,
@@ -80,6 +95,7 @@ def analyse(a: argparse.Namespace, samples: list[dict[str, Any]], t_drop: float,
     before = [s for s in good if s["t"] <= t_drop]
     running_at_drop = before[-1]["num_requests_running"] if before else None
     kv_at_drop = before[-1].get("kv_cache_usage_perc") if before else None
+    pct100 = (lambda v: None if v is None else 100 * v)  # noqa: E731
     t_running_dropped = None
     if running_at_drop is not None:
         goal = running_at_drop - min(a.drop, running_at_drop)
@@ -99,8 +115,8 @@ def analyse(a: argparse.Namespace, samples: list[dict[str, Any]], t_drop: float,
                 if base.get("tokens_after_client_gone") is not None and end.get("tokens_after_client_gone") is not None
                 else None)
     return {"t_drop_s": t_drop, "t_cancel_rest_s": t_rest, "running_at_drop": running_at_drop,
-            "kv_usage_at_drop": kv_at_drop, "running_drop_latency_s": t_running_dropped,
-            "kv_drop_latency_s": t_kv_drop, "kv_usage_min_after_drop": min(kv_after) if kv_after else None,
+            "kv_usage_at_drop_pct": pct100(kv_at_drop), "running_drop_latency_s": t_running_dropped,
+            "kv_drop_latency_s": t_kv_drop, "kv_usage_min_after_drop_pct": pct100(min(kv_after)) if kv_after else None,
             "tokens_for_nobody_dropped": gone, "tokens_for_nobody_all": gone_all,
             "running_end": end.get("num_requests_running"), "samples": samples}
 
@@ -122,21 +138,24 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
             and target.has_metrics:
         target.skip("the server exports no tokens-after-client-gone counter: tokens generated for nobody unknown")
     keys = ["running_drop_latency_s", "kv_drop_latency_s", "tokens_for_nobody_dropped", "running_at_drop",
-            "kv_usage_at_drop", "kv_usage_min_after_drop", "tokens_for_nobody_all", "running_end"]
+            "kv_usage_at_drop_pct", "kv_usage_min_after_drop_pct", "tokens_for_nobody_all", "running_end"]
     spreads = {k: report.spread([r[k] if r[k] is not None else float("nan") for r in rounds]) for k in keys}
     labels = {"running_drop_latency_s": "drop → running count down by the dropped (s)",
               "kv_drop_latency_s": "drop → KV usage below its value at the drop (s)",
               "tokens_for_nobody_dropped": "tokens generated after the client had gone (the dropped)",
               "running_at_drop": "engine running count at the drop",
-              "kv_usage_at_drop": "KV usage at the drop (0–1)",
-              "kv_usage_min_after_drop": "lowest KV usage in the observed window (0–1)",
+              "kv_usage_at_drop_pct": "KV cache usage at the drop (%)",
+              "kv_usage_min_after_drop_pct": "lowest KV cache usage in the observed window (%)",
               "tokens_for_nobody_all": "tokens after client gone, all (incl. the rest cancelled at the end)",
               "running_end": "engine running count at the end"}
-    rows = [[labels[k], spreads[k]["median"], " / ".join(report.fmt(v, 2) for v in spreads[k]["per_repeat"])]
+    rows = [[labels[k], report.fmt(spreads[k]["median"], 2),
+             " / ".join(report.fmt(v, 2) for v in spreads[k]["per_repeat"])]
             for k in keys]
     table = report.md_table(["measurement (median of rounds)", "value", "per round"], rows)
-    table += (f"\n\n{a.streams} streams × {a.max_tokens} tokens (ignore_eos), {a.drop} clients dropped after "
-              f"{a.drop_after:g} s (connection closed), the rest cancelled {a.observe:g} s later; /metrics polled every "
+    when = "after sending" if a.from_start else "after every stream had its first token"
+    table += (f"\n\n{a.streams} streams × {a.max_tokens} tokens (ignore_eos), {a.drop} clients dropped "
+              f"{a.drop_after:g} s {when} (connection closed), the rest cancelled {a.observe:g} s later; "
+              f"/metrics polled every "
               f"{a.poll * 1e3:.0f} ms, so latencies are ± one poll interval.")
     fig, ax = report.figure(1, 8, 4.2)
     r0 = rounds[0]

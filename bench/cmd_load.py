@@ -58,7 +58,7 @@ async def wave(c: httpx.AsyncClient, target: Target, n: int, prompt_tokens: int,
     ok = [r for r in recs if r.error is None]
     parts: dict[str, list[float]] = {p: [] for p in PARTS}
     for r in ok:
-        st = r.server_timing
+        st = r.server_timing if r.timing_source == "server_timing" else None
         if st:
             parts["prep"].append(st.get("prep", 0.0))
             parts["queue"].append(st.get("queue", 0.0))

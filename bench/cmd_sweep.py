@@ -71,7 +71,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     if not target.has_tokenize:
         target.skip("no /tokenize: prompt lengths are approximate; the plot uses usage.prompt_tokens")
     if not target.has_server_timing:
-        target.skip("no server_timing: only the client's TTFT is fitted (no server-side prefill)")
+        target.skip("no server_timing: server-side prefill comes from llama.cpp's `timings` where present, "
+                    "otherwise only the client's TTFT is fitted")
     lengths = [int(x) for x in a.lengths.split(",") if x] or default_lengths(target.max_model_len, a.max_tokens)
     params = a.params or next((v for k, v in KNOWN_PARAMS.items() if k in target.model.lower()), 0)
     threads = [int(x) for x in a.flops_threads.split(",") if x] or sorted({1, os.cpu_count() or 1})

@@ -103,6 +103,9 @@ class StreamRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     server_timing: dict[str, float] | None = None
+    #: Where ``server_timing`` came from: "server_timing" (this server) or "llama.cpp timings" (prefill
+    #: = prompt_ms, decode = predicted_ms; no queue term).
+    timing_source: str | None = None
     finish_reason: str | None = None
     error: str | None = None
     #: perf_counter() at which the request was sent (to line up requests of one run).
@@ -127,6 +130,7 @@ class StreamRecord:
         return {"ttft_s": self.ttft, "e2e_s": self.e2e, "tpot_s": self.tpot, "events": len(self.event_times),
                 "tokens_per_event": self.tokens_per_event, "prompt_tokens": self.prompt_tokens,
                 "completion_tokens": self.completion_tokens, "server_timing": self.server_timing,
+                "timing_source": self.timing_source,
                 "finish_reason": self.finish_reason, "error": self.error}
 
 
@@ -141,10 +145,11 @@ def chat_body(model: str, content: str, max_tokens: int, ignore_eos: bool = True
 
 
 async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any], path: str = "/v1/chat/completions",
-                      base: str | None = None) -> StreamRecord:
+                      base: str | None = None, rec: StreamRecord | None = None) -> StreamRecord:
     """POST a streamed request and time each event's arrival. Errors are recorded, not raised;
-    cancellation (a dropped client) propagates and closes the connection."""
-    rec = StreamRecord()
+    cancellation (a dropped client) propagates and closes the connection. Pass ``rec`` to watch
+    the record fill while the stream runs."""
+    rec = rec if rec is not None else StreamRecord()
     t0 = rec.t_sent = time.perf_counter()
     url = (base or "") + path
     try:
@@ -186,6 +191,12 @@ def _absorb(rec: StreamRecord, chunk: dict[str, Any], now: float) -> None:
         rec.completion_tokens = usage.get("completion_tokens")
     if isinstance(chunk.get("server_timing"), dict):
         rec.server_timing = {k: float(v) for k, v in chunk["server_timing"].items()}
+        rec.timing_source = "server_timing"
+    elif isinstance(chunk.get("timings"), dict) and rec.timing_source != "server_timing":
+        t = chunk["timings"]
+        rec.server_timing = {"prefill": float(t.get("prompt_ms", float("nan"))),
+                             "decode": float(t.get("predicted_ms", float("nan")))}
+        rec.timing_source = "llama.cpp timings"
 
 
 def nonce() -> str:
