@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from bench import report
-from bench.nginx import Nginx
+from bench.nginx import VARIANTS, Nginx
 from bench.target import StreamRecord, chat_body, exact_prompt, probe, stream_chat
 
 #: Path label → nginx variant (None: direct).
@@ -34,6 +34,8 @@ CLUMP_S = 0.002
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="tokens per stream")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length")
+    p.add_argument("--variants", default=",".join(v for v in PATHS.values() if v),
+                   help="nginx variants to run besides direct (default, ignore, gzip, gzip+ignore)")
     p.add_argument("--tolerance", type=float, default=0.2,
                    help="allowed relative difference of median gaps, nginx vs direct")
 
@@ -61,16 +63,18 @@ def _max_clump(r: StreamRecord) -> int:
 
 
 async def measure(upstream: str, model: str, rounds: int, prompt_tokens: int, max_tokens: int,
-                  bar: Any = None, target: Any = None) -> tuple[dict[str, list[StreamRecord]], str]:
-    """Alternate direct / nginx / nginx-ignoring-the-header, ``rounds`` times each."""
-    recs: dict[str, list[StreamRecord]] = {p: [] for p in PATHS}
-    with Nginx(upstream) as ng:
-        urls = {p: ng.urls[v] if v else upstream for p, v in PATHS.items()}
+                  bar: Any = None, target: Any = None, variants: list[str] | None = None
+                  ) -> tuple[dict[str, list[StreamRecord]], str]:
+    """Alternate direct and each nginx variant, ``rounds`` times each."""
+    paths = {p: v for p, v in PATHS.items() if v is None or variants is None or v in variants}
+    recs: dict[str, list[StreamRecord]] = {p: [] for p in paths}
+    with Nginx(upstream, variants={v: VARIANTS[v] for v in paths.values() if v}) as ng:
+        urls = {p: ng.urls[v] if v else upstream for p, v in paths.items()}
         async with httpx.AsyncClient(timeout=600) as c:
-            for path in PATHS:  # warm each path's connection
+            for path in paths:  # warm each path's connection
                 await stream_chat(c, chat_body(model, "warm up", 2), base=urls[path])
             for _ in range(rounds):
-                for path in PATHS:
+                for path in paths:
                     text = (await exact_prompt(_Based(c, upstream), target, prompt_tokens))[0] if target else \
                         "Tell me a long story about a lighthouse keeper."
                     recs[path].append(await stream_chat(c, chat_body(model, text, max_tokens), base=urls[path]))
@@ -95,7 +99,7 @@ def verdict(stats: dict[str, dict[str, Any]], tolerance: float) -> dict[str, Any
     d = stats["direct"]
     out: dict[str, Any] = {"direct_clumped_gap_frac": d["clumped_gap_frac"]}
     for p, v in PATHS.items():
-        if v is None:
+        if v is None or p not in stats:
             continue
         s = stats[p]
         ratio = s["gap_p50_ms"] / d["gap_p50_ms"] if d["gap_p50_ms"] else float("nan")
@@ -108,8 +112,13 @@ def verdict(stats: dict[str, dict[str, Any]], tolerance: float) -> dict[str, Any
 async def main(a: argparse.Namespace) -> dict[str, Any]:
     run = report.Run("proxy", a, a.out)
     target = await probe(a.url, a.model)
-    bar = report.progress(a.repeats * len(PATHS), "proxy", not a.no_progress)
-    recs, version = await measure(target.url, target.model, a.repeats, a.prompt_tokens, a.max_tokens, bar, target)
+    variants = [v for v in a.variants.split(",") if v]
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown nginx variants {sorted(unknown)}; known: {sorted(VARIANTS)}")
+    bar = report.progress(a.repeats * (len(variants) + 1), "proxy", not a.no_progress)
+    recs, version = await measure(target.url, target.model, a.repeats, a.prompt_tokens, a.max_tokens, bar, target,
+                                  variants)
     bar.close()
     stats = {p: path_stats(r) for p, r in recs.items()}
     v = verdict(stats, a.tolerance)
@@ -117,7 +126,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
              100 * s["clumped_gap_frac"], s["max_events_per_clump"], s["events"], s["tokens"]] for p, s in stats.items()]
     table = report.md_table(["path", "first event (ms)", "last event (ms)", "gap p50 (ms)", "gap p95 (ms)",
                              f"gaps < {CLUMP_S * 1e3:g} ms (%)", "largest clump (events)", "events", "tokens"], rows)
-    table += (f"\n\n{version}; {a.repeats} round(s) alternating the {len(PATHS)} paths, one stream at a time, "
+    table += (f"\n\n{version}; {a.repeats} round(s) alternating the {len(recs)} paths, one stream at a time, "
               f"{a.max_tokens} tokens (usage), greedy, ignore_eos; medians over streams; a clump is events less "
               f"than {CLUMP_S * 1e3:g} ms apart.\n\n")
     table += report.md_table(["nginx variant", "median gap / direct", f"within ±{a.tolerance:.0%}", "events clump"],
