@@ -1,4 +1,5 @@
-"""Token-exact parity of the engine with transformers on the embedded model (float32, CPU).
+"""Token-exact parity of the engine with transformers on the embedded model (float32 weights, CPU;
+the quantised weight formats have their own test, ``test_engine_parity_quant.py``).
 
 The reference is ``transformers`` greedy ``generate`` on the same weights, one prompt at a time.
 Our engine must produce the same token ids alone, all at once (mixed prefill and decode with
@@ -101,7 +102,8 @@ def reference(hf_model, prompts) -> list[tuple[list[int], list[float]]]:
 
 
 def _engine(**overrides) -> LLMEngine:
-    cfg = dict(model=EMBEDDED_MODEL, num_kv_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=64)
+    cfg = dict(model=EMBEDDED_MODEL, num_kv_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=64,
+               weights="float32")
     cfg.update(overrides)
     return LLMEngine.from_config(EngineConfig(**cfg))
 

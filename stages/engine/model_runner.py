@@ -140,9 +140,15 @@ class ModelRunner:
                                    for s in decodes], dtype=torch.long)
             meta.num_decodes = len(decodes)
             meta.decode_slots = self._context_slots(tables, width).to(dev)
-            pad = torch.arange(width)[None, :] >= ctx_lens[:, None]
-            mask = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
-            meta.decode_mask = mask[:, None, None, :].to(dev)  # additive: cheaper than a bool mask
+            table = decodes[0].request.block_table[:nb]
+            if len(decodes) == 1 and table == list(range(table[0], table[0] + nb)):
+                # One sequence in consecutive blocks (common at batch 1: the block pool hands out
+                # free blocks in order): attention reads the cache in place, no gather, no mask.
+                meta.decode_range = table[0] * self.block_size
+            else:
+                pad = torch.arange(width)[None, :] >= ctx_lens[:, None]
+                mask = torch.zeros(pad.shape, dtype=self.dtype).masked_fill_(pad, float("-inf"))
+                meta.decode_mask = mask[:, None, None, :].to(dev)  # additive: cheaper than a bool mask
         offset = len(decodes)
         for s in prefills:
             start, n = s.start, s.num_new_tokens

@@ -159,6 +159,12 @@ class QuantLinear(nn.Module):
         self.dense_min_rows = dense_min_rows if keep_dense else 1 << 62
         dense = weight.dequantize().to(dense_dtype()) if keep_dense else None
         self.register_buffer("dense", dense)
+        self._source = weight
+
+    @property
+    def reference_weight(self) -> torch.Tensor:
+        """The float32 weights the quantised kernel computes with (for parity references)."""
+        return self._source.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.dense_min_rows:
