@@ -137,6 +137,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     ax1.plot(levels, [lv["tpot_p50_ms"] for lv in levels_out], "o-", label="TPOT p50")
     ax1.plot(levels, [lv["tpot_p95_ms"] for lv in levels_out], "s--", label="TPOT p95")
     ax1.plot(levels, [lv["gap_p50_ms"] for lv in levels_out], "^:", label="event gap p50")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xticks(levels, [str(n) for n in levels])
     ax1.set_xlabel("concurrent streams")
     ax1.set_ylabel("time per output token (ms)")
     ax1.set_title("TPOT vs concurrency")
