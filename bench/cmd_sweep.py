@@ -22,6 +22,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=2, help="output tokens per request")
     p.add_argument("--params", type=float, default=0,
                    help="model parameters for the 2·P·T estimate")
+    p.add_argument("--linear-max", type=int, default=1024,
+                   help="the straight-line prefill fit uses prompts up to this length (at least the two shortest)")
     p.add_argument("--flops-threads", default="",
                    help="comma-separated thread counts to measure FLOP/s with")
 
@@ -65,6 +67,30 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def fits(med_rows: list[dict[str, Any]], linear_max: int) -> dict[str, Any]:
+    """Straight lines over the short prompts (client TTFT, server prefill) and a quadratic over all."""
+    rows = sorted(med_rows, key=lambda r: r["prompt_tokens"])
+    short = [r for r in rows if r["prompt_tokens"] <= linear_max]
+    if len(short) < 2:
+        short = rows[:2]
+    lin_max = short[-1]["prompt_tokens"] if short else linear_max
+    a0, b0 = fit_line([r["prompt_tokens"] for r in short], [r["ttft_ms"] for r in short])
+    fit: dict[str, Any] = {"linear_max_tokens": lin_max, "ttft_intercept_ms": a0, "ttft_ms_per_token": b0,
+                           "prefill_tok_s_from_ttft": 1e3 / b0 if b0 > 0 else None}
+    pre = [r for r in short if r["prefill_ms"] == r["prefill_ms"]]
+    if len(pre) >= 2:
+        a1, b1 = fit_line([r["prompt_tokens"] for r in pre], [r["prefill_ms"] for r in pre])
+        fit.update({"prefill_intercept_ms": a1, "prefill_ms_per_token": b1,
+                    "prefill_tok_s_from_server": 1e3 / b1 if b1 > 0 else None})
+    if len(rows) >= 3:
+        import numpy as np
+
+        c, b, a_ = np.polyfit([r["prompt_tokens"] for r in rows], [r["ttft_ms"] for r in rows], 2)
+        fit.update({"quad_a_ms": float(a_), "quad_linear_tok_s": 1e3 / float(b) if b > 0 else None,
+                    "quad_c_ms_per_token2": float(c)})
+    return fit
+
+
 async def main(a: argparse.Namespace) -> dict[str, Any]:
     run = report.Run("sweep", a, a.out)
     target = await probe(a.url, a.model)
@@ -105,42 +131,50 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                          "ttft_per_repeat": [p["ttft_ms"] for p in ps]})
         rows.append([f"{n:,}", ttft, pre, n / (ttft / 1e3), n / (pre / 1e3) if pre == pre and pre else None,
                      report.fmt(report.spread([p["ttft_ms"] for p in ps])["spread_pct"], 0) + "%"])
-    xs = [r["prompt_tokens"] for r in med_rows]
-    a0, b0 = fit_line(xs, [r["ttft_ms"] for r in med_rows])
-    fit = {"ttft_intercept_ms": a0, "ttft_ms_per_token": b0, "prefill_tok_s_from_ttft": 1e3 / b0 if b0 > 0 else None}
-    pre_rows = [r for r in med_rows if r["prefill_ms"] == r["prefill_ms"]]
-    if len(pre_rows) >= 2:
-        a1, b1 = fit_line([r["prompt_tokens"] for r in pre_rows], [r["prefill_ms"] for r in pre_rows])
-        fit.update({"prefill_intercept_ms": a1, "prefill_ms_per_token": b1,
-                    "prefill_tok_s_from_server": 1e3 / b1 if b1 > 0 else None})
+    fit = fits(med_rows, a.linear_max)
     estimate = {str(t): {"flops": f, "prefill_tok_s": f / (2 * params) if params else None} for t, f in flops.items()}
     if not params:
         target.skip("model parameters unknown (pass --params): no 2·P·T estimate")
     table = report.md_table(["prompt tokens (usage)", "TTFT (ms)", "server prefill (ms)", "tok/s by TTFT",
                              "tok/s by prefill", "TTFT spread"], rows)
+    lin = f"prompts ≤ {fit['linear_max_tokens']:,} tokens"
     table += "\n\n" + report.md_table(["prefill rate", "tok/s"], [
-        ["fitted to client TTFT (slope of the line)", fit["prefill_tok_s_from_ttft"]],
-        ["fitted to server_timing prefill", fit.get("prefill_tok_s_from_server")],
+        [f"straight line fitted to client TTFT, {lin}", fit["prefill_tok_s_from_ttft"]],
+        [f"straight line fitted to server_timing prefill, {lin}", fit.get("prefill_tok_s_from_server")],
     ] + [[f"2 × {params / 1e6:.1f} M params × T / ({e['flops'] / 1e9:.1f} GFLOP/s float32 GEMM, {t} thread(s))",
           e["prefill_tok_s"]] for t, e in estimate.items() if params])
-    fig, ax = report.figure(1, 8, 4.5)
-    ax.scatter([p["prompt_tokens"] for p in ok], [p["ttft_ms"] for p in ok], s=14, label="client TTFT (each request)")
-    pts = [p for p in ok if p["prefill_ms"] is not None]
-    if pts:
-        ax.scatter([p["prompt_tokens"] for p in pts], [p["prefill_ms"] for p in pts], s=14, marker="x",
-                   label="server_timing prefill")
-    if xs and b0 == b0:
-        top = max(xs)
-        ax.plot([0, top], [a0, a0 + b0 * top], "--",
-                label=f"fit to TTFT: {fit['prefill_tok_s_from_ttft']:,.0f} tok/s")
-        for t, e in estimate.items():
+    if fit.get("quad_linear_tok_s"):
+        table += (f"\n\nOver all lengths TTFT ≈ {fit['quad_a_ms']:,.0f} ms + T / {fit['quad_linear_tok_s']:,.0f} tok/s"
+                  f" + {fit['quad_c_ms_per_token2'] * 1e6:,.0f} ms × (T / 1000)² (least squares, a curve to read "
+                  "the bend by, not a cost model); the T² term (attention over the whole prompt) bends the curve "
+                  "upward at long prompts.")
+    fig, axes = report.figure(2, 10, 4.2)
+    for ax, limit in ((axes[0], None), (axes[1], fit["linear_max_tokens"])):
+        sel = [p for p in ok if limit is None or p["prompt_tokens"] <= limit]
+        ax.scatter([p["prompt_tokens"] for p in sel], [p["ttft_ms"] / 1e3 for p in sel], s=16,
+                   label="client TTFT (each request)")
+        pts = [p for p in sel if p["prefill_ms"] is not None]
+        if pts:
+            ax.scatter([p["prompt_tokens"] for p in pts], [p["prefill_ms"] / 1e3 for p in pts], s=16, marker="x",
+                       label="server prefill (server_timing)")
+        top = max([p["prompt_tokens"] for p in sel], default=0)
+        grid = [top * i / 50 for i in range(51)]
+        if limit is None and fit.get("quad_linear_tok_s"):
+            ax.plot(grid, [(fit["quad_a_ms"] + x / fit["quad_linear_tok_s"] * 1e3 + fit["quad_c_ms_per_token2"] * x * x)
+                           / 1e3 for x in grid], "-", color="C2", label="fit a + b·T + c·T²")
+        if limit is not None and fit["ttft_ms_per_token"] == fit["ttft_ms_per_token"]:
+            ax.plot(grid, [(fit["ttft_intercept_ms"] + fit["ttft_ms_per_token"] * x) / 1e3 for x in grid], "--",
+                    color="C2", label=f"line fit: {fit['prefill_tok_s_from_ttft']:,.0f} tok/s")
+        for k, (t, e) in enumerate(estimate.items()):
             if e["prefill_tok_s"]:
-                ax.plot([0, top], [0, top / e["prefill_tok_s"] * 1e3], ":",
+                ax.plot(grid, [x / e["prefill_tok_s"] for x in grid], ":", color=f"C{3 + k}",
                         label=f"2·P·T / FLOP/s, {t} thread(s): {e['prefill_tok_s']:,.0f} tok/s")
-    ax.set_xlabel("prompt length (tokens, from usage)")
-    ax.set_ylabel("time to first token (ms)")
-    ax.set_title(f"TTFT vs prompt length — {target.model}")
-    ax.legend(fontsize=8)
+        ax.set_xlabel("prompt length (tokens, from usage)")
+        ax.set_ylabel("time to first token (s)")
+        ax.set_title("all lengths" if limit is None else f"up to {limit:,} tokens (the linear part)")
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7.5)
+    fig.suptitle(f"TTFT vs prompt length, one request at a time — {target.model}")
     results = {"lengths": lengths, "points": points, "medians": med_rows, "fit": fit, "estimate": estimate,
                "params": params}
     spreads = {f"ttft_ms@{r['prompt_tokens']}": report.spread(r["ttft_per_repeat"]) for r in med_rows}
