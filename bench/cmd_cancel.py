@@ -97,10 +97,17 @@ def analyse(a: argparse.Namespace, samples: list[dict[str, Any]], t_drop: float,
     kv_at_drop = before[-1].get("kv_cache_usage_perc") if before else None
     pct100 = (lambda v: None if v is None else 100 * v)  # noqa: E731
     t_running_dropped = None
+    window_tokens = None
     if running_at_drop is not None:
         goal = running_at_drop - min(a.drop, running_at_drop)
         hit = next((s for s in good if t_drop < s["t"] <= t_rest and s["num_requests_running"] <= goal), None)
         t_running_dropped = hit["t"] - t_drop if hit else None
+        # The engine only counts tokens after it learns the client went; from the client's side, every
+        # token made for the dropped requests between the drop and their leaving the engine was for
+        # nobody: their share of all tokens generated in that window.
+        g0, g1 = before[-1].get("generation_tokens"), (hit or {}).get("generation_tokens")
+        if hit and g0 is not None and g1 is not None and running_at_drop:
+            window_tokens = (g1 - g0) * min(a.drop, running_at_drop) / running_at_drop
     kv_after = [s.get("kv_cache_usage_perc") for s in good if t_drop < s["t"] <= t_rest]
     t_kv_drop = None
     if kv_at_drop is not None:
@@ -118,6 +125,7 @@ def analyse(a: argparse.Namespace, samples: list[dict[str, Any]], t_drop: float,
             "kv_usage_at_drop_pct": pct100(kv_at_drop), "running_drop_latency_s": t_running_dropped,
             "kv_drop_latency_s": t_kv_drop, "kv_usage_min_after_drop_pct": pct100(min(kv_after)) if kv_after else None,
             "tokens_for_nobody_dropped": gone, "tokens_for_nobody_all": gone_all,
+            "tokens_for_nobody_client_view": window_tokens,
             "running_end": end.get("num_requests_running"), "samples": samples}
 
 
@@ -137,12 +145,16 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     if rounds and rounds[0]["samples"] and rounds[0]["samples"][0].get("tokens_after_client_gone") is None \
             and target.has_metrics:
         target.skip("the server exports no tokens-after-client-gone counter: tokens generated for nobody unknown")
-    keys = ["running_drop_latency_s", "kv_drop_latency_s", "tokens_for_nobody_dropped", "running_at_drop",
+    keys = ["running_drop_latency_s", "kv_drop_latency_s", "tokens_for_nobody_dropped", "tokens_for_nobody_client_view",
+            "running_at_drop",
             "kv_usage_at_drop_pct", "kv_usage_min_after_drop_pct", "tokens_for_nobody_all", "running_end"]
     spreads = {k: report.spread([r[k] if r[k] is not None else float("nan") for r in rounds]) for k in keys}
     labels = {"running_drop_latency_s": "drop → running count down by the dropped (s)",
               "kv_drop_latency_s": "drop → KV usage below its value at the drop (s)",
-              "tokens_for_nobody_dropped": "tokens generated after the client had gone (the dropped)",
+              "tokens_for_nobody_dropped": "tokens generated after the engine learned the client had gone "
+                                           "(server counter, the dropped)",
+              "tokens_for_nobody_client_view": "tokens generated for the dropped between the drop and their leaving "
+                                               "the engine (their share of generation_tokens)",
               "running_at_drop": "engine running count at the drop",
               "kv_usage_at_drop_pct": "KV cache usage at the drop (%)",
               "kv_usage_min_after_drop_pct": "lowest KV cache usage in the observed window (%)",
