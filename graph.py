@@ -18,12 +18,21 @@ from stages.ingress import Ingress
 from stages.preprocess import PreprocessDeployment
 
 
-def build_app(args: dict[str, Any] | None = None) -> Application:
-    """Ingress → (Preprocess, Egress → Engine), all sharing one Directory."""
+def build_app(args: dict[str, Any] | None = None, options: dict[str, dict[str, Any]] | None = None) -> Application:
+    """Ingress → (Preprocess, Egress → Engine), all sharing one Directory.
+
+    ``options`` maps a deployment name to ``Deployment.options`` overrides, the same keys as a
+    ``deployments`` entry of ``serve_config.yaml`` (which Serve applies itself on ``serve run``).
+    """
     cfg = AppConfig.from_args(args)
+    opts = options or {}
+
+    def deployment(d: Any) -> Any:
+        return d.options(**opts[d.name]) if d.name in opts else d
+
     tracing = cfg.tracing.model_dump()
-    directory = DirectoryDeployment.bind()
-    engine = EngineDeployment.bind(cfg.model, cfg.engine.model_dump(), tracing, directory)
-    preprocess = PreprocessDeployment.bind(cfg.model, cfg.engine.max_model_len, tracing, directory)
-    egress = EgressDeployment.bind(engine, cfg.model, tracing)
-    return Ingress.bind(preprocess, egress, engine, cfg.model_dump(), directory)
+    directory = deployment(DirectoryDeployment).bind()
+    engine = deployment(EngineDeployment).bind(cfg.model, cfg.engine.model_dump(), tracing, directory)
+    preprocess = deployment(PreprocessDeployment).bind(cfg.model, cfg.engine.max_model_len, tracing, directory)
+    egress = deployment(EgressDeployment).bind(engine, cfg.model, tracing)
+    return deployment(Ingress).bind(preprocess, egress, engine, cfg.model_dump(), directory)

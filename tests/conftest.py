@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.otlp_receiver import OTLPReceiver
-from tests.serve_harness import start_app, stop_app
+from tests.serve_harness import deploy_app, start_ray, stop_app
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -28,29 +28,55 @@ TEST_ARGS: dict[str, Any] = {
 }
 
 
+#: The replicas test configuration: every stage at 2 replicas, CPU shares small enough for 2 cores.
+REPLICAS_ARGS: dict[str, Any] = {
+    "model": "embedded:smollm2-135m-instruct",
+    "engine": {"max_num_seqs": 8, "max_waiting_requests": 8, "max_num_batched_tokens": 256,
+               "kv_cache_memory_gb": 0.25, "num_threads": 1, "report_interval_s": 0.5},
+    "http": {"max_body_bytes": 65536, "keepalive_interval_s": 0.5},
+}
+REPLICAS_OPTIONS: dict[str, dict[str, Any]] = {
+    "Ingress": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.1}},
+    "Preprocess": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.1}},
+    "Egress": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.1}},
+    "Engine": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
+}
+
+
 @dataclass
 class ServeApp:
     url: str
-    otlp: OTLPReceiver
+    otlp: OTLPReceiver | None
     args: dict[str, Any]
     #: Ray's session directory.
     session_dir: str = ""
     #: The Ingress's per-request JSON-lines log (``http.request_log_file``).
     request_log: str = ""
+    #: Serve application name.
+    name: str = "lifecycle"
 
-    def engine_stats(self) -> dict[str, Any]:
-        """The engine's own stats, straight from its replica.
+    def call(self, deployment: str, method: str, *args: Any) -> Any:
+        """Call a deployment of this app through a Serve handle.
 
         With ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1`` a handle's router runs on the caller's event loop
         (``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP`` defaults to 0), so a blocking ``.result()`` from
         plain test code fails with "No event loop running". The call therefore runs on one private
-        event loop thread, where the handle is created once and reused.
+        event loop thread, where each handle is created once and reused.
         """
-        return asyncio.run_coroutine_threadsafe(_engine_stats(), _handle_loop()).result(timeout=10)
+        return asyncio.run_coroutine_threadsafe(_call(self.name, deployment, method, args),
+                                                _handle_loop()).result(timeout=30)
+
+    def engine_stats(self) -> dict[str, Any]:
+        """One engine replica's own stats, straight from it (exact for a one-engine app)."""
+        return self.call("Engine", "stats")
+
+    def engine_reports(self) -> list[Any]:
+        """Every engine replica's latest report to the Directory (at most a report period old)."""
+        return self.call("Directory", "engines")
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None
-_ENGINE_HANDLE: Any = None
+_HANDLES: dict[tuple[str, str], Any] = {}
 
 
 def _handle_loop() -> asyncio.AbstractEventLoop:
@@ -61,31 +87,50 @@ def _handle_loop() -> asyncio.AbstractEventLoop:
     return _LOOP
 
 
-async def _engine_stats() -> dict[str, Any]:
-    global _ENGINE_HANDLE
+async def _call(app: str, deployment: str, method: str, args: tuple[Any, ...]) -> Any:
     from ray import serve
 
-    if _ENGINE_HANDLE is None:
-        _ENGINE_HANDLE = serve.get_deployment_handle("Engine", app_name="lifecycle")
-    return await _ENGINE_HANDLE.stats.remote()
+    key = (app, deployment)
+    if key not in _HANDLES:
+        _HANDLES[key] = serve.get_deployment_handle(deployment, app_name=app)
+    return await getattr(_HANDLES[key], method).remote(*args)
 
 
 @pytest.fixture(scope="session")
-def serve_app() -> Iterator[ServeApp]:
+def serve_session() -> Iterator[str]:
+    """One Ray session (and Serve proxy) for every app the tests start."""
+    _, session_dir = start_ray()
+    try:
+        yield session_dir
+    finally:
+        stop_app()
+
+
+@pytest.fixture(scope="session")
+def serve_app(serve_session: str) -> Iterator[ServeApp]:
     otlp = OTLPReceiver()
     request_log = os.path.join(tempfile.mkdtemp(prefix="lifecycle-test-"), "requests.jsonl")
     args = {**TEST_ARGS, "tracing": {**TEST_ARGS["tracing"], "otlp_endpoint": otlp.endpoint},
             "http": {**TEST_ARGS["http"], "request_log_file": request_log}}
-    url, session_dir = start_app(args)
+    url = deploy_app(args)
     try:
-        yield ServeApp(url=url, otlp=otlp, args=args, session_dir=session_dir, request_log=request_log)
+        yield ServeApp(url=url, otlp=otlp, args=args, session_dir=serve_session, request_log=request_log)
     finally:
-        stop_app()
         otlp.close()
+
+
+@pytest.fixture(scope="session")
+def serve_app_replicas(serve_session: str) -> Iterator[ServeApp]:
+    """The app with every stage at 2 replicas (its own name and route prefix, same Ray session)."""
+    request_log = os.path.join(tempfile.mkdtemp(prefix="lifecycle-test-2x-"), "requests.jsonl")
+    args = {**REPLICAS_ARGS, "http": {**REPLICAS_ARGS["http"], "request_log_file": request_log}}
+    url = deploy_app(args, name="replicas", route_prefix="/replicas", options=REPLICAS_OPTIONS)
+    yield ServeApp(url=url, otlp=None, args=args, session_dir=serve_session, request_log=request_log,
+                   name="replicas")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that use the real Serve app get the ``serve`` marker (``-m "not serve"`` skips them)."""
     for item in items:
-        if "serve_app" in getattr(item, "fixturenames", ()):
+        if {"serve_app", "serve_app_replicas"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.serve)

@@ -1,6 +1,8 @@
-"""Start and stop the real Serve app in this process, on a free loopback port.
+"""Start and stop the real Serve app(s) in this process, on a free loopback port.
 
-Shared by the test session fixture and the benchmarks so both run exactly the same app.
+Shared by the test session fixtures and the benchmarks so both run exactly the same app. One Ray
+session can hold several apps (each its own name and route prefix), so every test configuration
+starts once per session.
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ from typing import Any
 
 import httpx
 
+#: Environment every Ray process of the tests gets. Direct ingress (on under
+#: RAY_SERVE_THROUGHPUT_OPTIMIZED) otherwise drains each Ingress replica for 30 s at shutdown.
+SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+             "RAY_USAGE_STATS_ENABLED": "0"}
+
+_STATE: dict[str, Any] = {}
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -19,31 +28,50 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_app(args: dict[str, Any], num_cpus: int = 4, timeout_s: float = 300) -> tuple[str, str]:
-    """Start Ray and the app built from ``args``; wait for ``/health``. Returns (url, session dir)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_SERVE_THROUGHPUT_OPTIMIZED", "1")
+def start_ray(num_cpus: int = 8) -> tuple[str, str]:
+    """Start Ray and Serve's HTTP proxy once; returns (base url, Ray session dir)."""
+    if "url" in _STATE:
+        return _STATE["url"], _STATE["session_dir"]
+    for key, value in SERVE_ENV.items():
+        os.environ.setdefault(key, value)
     import ray
+    from ray import serve
+
+    port = _free_port()
+    ctx = ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+                   runtime_env={"env_vars": dict(SERVE_ENV)})
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    _STATE.update(url=f"http://127.0.0.1:{port}", session_dir=ctx.address_info["session_dir"])
+    return _STATE["url"], _STATE["session_dir"]
+
+
+def deploy_app(args: dict[str, Any], name: str = "lifecycle", route_prefix: str = "/",
+               options: dict[str, dict[str, Any]] | None = None, timeout_s: float = 300) -> str:
+    """Deploy the app built from ``args`` (``options``: per-deployment overrides, as in
+    ``serve_config.yaml``'s ``deployments``); wait until its ``/health`` is 200. Returns its url."""
     from ray import serve
 
     from graph import build_app
 
-    port = _free_port()
-    ctx = ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                   runtime_env={"env_vars": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}})
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(args), name="lifecycle", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
+    base, _ = start_ray()
+    serve.run(build_app(args, options), name=name, route_prefix=route_prefix, blocking=False)
+    url = base + route_prefix.rstrip("/")
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return url, ctx.address_info["session_dir"]
+                return url
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the Serve app did not become healthy in {timeout_s:.0f} s")
+            raise RuntimeError(f"the Serve app {name} did not become healthy in {timeout_s:.0f} s")
         time.sleep(1)
+
+
+def start_app(args: dict[str, Any], num_cpus: int = 8, timeout_s: float = 300) -> tuple[str, str]:
+    """Start Ray and the default app built from ``args``. Returns (url, session dir)."""
+    _, session_dir = start_ray(num_cpus)
+    return deploy_app(args, timeout_s=timeout_s), session_dir
 
 
 def stop_app() -> None:
@@ -52,3 +80,4 @@ def stop_app() -> None:
 
     serve.shutdown()
     ray.shutdown()
+    _STATE.clear()

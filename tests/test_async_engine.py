@@ -8,7 +8,7 @@ import time
 import pytest
 
 from stages.engine.async_engine import AsyncEngine, merge_outputs
-from stages.errors import InvalidRequestError, QueueFullError
+from stages.engine.errors import DuplicateRequestIdError, EngineOverloadedError, RequestRejectedError
 from stages.protocol import EngineOutput, EngineRequest
 from tests.fakes import make_engine, params, reference
 
@@ -38,14 +38,15 @@ def run(coro):
 
 def test_stream_matches_reference_and_first_item_is_acceptance():
     async def main():
-        eng = AsyncEngine(_engine())
+        eng = AsyncEngine(_engine(), replica="r0")
         eng.start()
         prompt = [5, 6, 7, 8, 9]
-        items = [o async for o in eng.generate(EngineRequest("a", prompt, params(max_tokens=6)))]
+        items = [o async for outs in eng.generate(EngineRequest("a", prompt, params(max_tokens=6))) for o in outs]
         eng.shutdown()
         return items
 
     items = run(main())
+    assert items[0].replica == "r0"  # the acceptance (possibly merged with the first tokens)
     tokens = [t for o in items for t in o.new_token_ids]
     assert tokens == reference([5, 6, 7, 8, 9], 6)
     assert items[-1].finish_reason == "length"
@@ -55,7 +56,7 @@ def test_stream_matches_reference_and_first_item_is_acceptance():
 def test_slow_consumer_gets_coalesced_items_fast_consumer_does_not():
     async def consume(eng: AsyncEngine, rid: str, delay: float) -> list[int]:
         sizes = []
-        async for out in eng.generate(EngineRequest(rid, [1, 2, 3], params(max_tokens=20))):
+        async for (out,) in eng.generate(EngineRequest(rid, [1, 2, 3], params(max_tokens=20))):
             if out.new_token_ids:  # (the first, empty item only says "accepted")
                 sizes.append(len(out.new_token_ids))
                 await asyncio.sleep(delay)
@@ -82,7 +83,7 @@ def test_leaving_early_aborts_and_frees_blocks():
         eng = AsyncEngine(engine)
         eng.start()
         gen = eng.generate(EngineRequest("gone", [1, 2, 3, 4], params(max_tokens=200)))
-        async for out in gen:
+        async for (out,) in gen:
             if out.new_token_ids:
                 break
         await gen.aclose()  # what a cancelled caller does
@@ -101,11 +102,11 @@ def test_leaving_early_aborts_and_frees_blocks():
     assert len(latencies) == 1 and latencies[0] < 1.0
 
 
-def test_queue_bound_and_invalid_requests_raise_serve_errors():
+def test_queue_bound_and_invalid_requests_raise_engine_errors():
     async def main():
         eng = AsyncEngine(_engine(step_s=0.02, max_num_seqs=1), max_waiting=1)
         eng.start()
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(RequestRejectedError):
             async for _ in eng.generate(EngineRequest("bad", [], params())):
                 pass
         first = eng.generate(EngineRequest("r1", [1, 2], params(max_tokens=50)))
@@ -113,7 +114,7 @@ def test_queue_bound_and_invalid_requests_raise_serve_errors():
         second = eng.generate(EngineRequest("r2", [1, 2], params(max_tokens=50)))
         await second.__anext__()  # accepted, waiting
         await asyncio.sleep(0.1)
-        with pytest.raises(QueueFullError):
+        with pytest.raises(EngineOverloadedError):
             await eng.generate(EngineRequest("r3", [1, 2], params(max_tokens=5))).__anext__()
         await first.aclose()
         await second.aclose()
@@ -129,3 +130,140 @@ def test_merge_outputs_keeps_order_and_final_fields():
     assert merged.new_token_ids == [1, 2, 3, 4]
     assert merged.finish_reason == "stop" and merged.stop_token_id == 4
     assert merged.timings == {"queue": 0.1, "decode": 0.2}
+
+
+# -- groups (n > 1), ids, the queue bound, health ----------------------------------------------------------
+def _collect(items: list[list[EngineOutput]]) -> tuple[dict[str, list[int]], dict[str, str]]:
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    for outs in items:
+        for o in outs:
+            tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.finish_reason:
+                assert o.request_id not in reasons, "a choice finished twice"
+                reasons[o.request_id] = o.finish_reason
+    return tokens, reasons
+
+
+def test_group_runs_every_choice_and_siblings_share_the_cached_prompt():
+    async def main():
+        engine = _engine(step_s=0.002)
+        eng = AsyncEngine(engine)
+        eng.start()
+        prompt = list(range(1, 21))  # 5 full blocks of 4
+        items = [outs async for outs in eng.generate(EngineRequest("g", prompt, params(max_tokens=5), n=3))]
+        eng.shutdown()
+        return items, engine
+
+    items, engine = run(main())
+    tokens, reasons = _collect(items)
+    assert set(reasons) == {"g-0", "g-1", "g-2"} and set(reasons.values()) == {"length"}
+    for rid in reasons:  # greedy: every choice is the reference continuation
+        assert tokens[rid] == reference(list(range(1, 21)), 5)
+    assert {o.index for outs in items for o in outs} == {0, 1, 2}
+    assert engine.block_manager.stats.hits >= 2 * 16  # both siblings found the prompt's full blocks
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_abort_of_a_sibling_not_yet_started_ends_it_at_once():
+    async def main():
+        eng = AsyncEngine(_engine(step_s=0.01))
+        eng.start()
+        gen = eng.generate(EngineRequest("g", [1, 2, 3], params(max_tokens=30), n=2))
+        first = await gen.__anext__()  # acceptance of choice 0; choice 1 is not added yet
+        eng.abort("g-1")
+        eng.abort("g-0")
+        rest = [outs async for outs in gen]
+        eng.shutdown()
+        return [first, *rest]
+
+    _, reasons = _collect(run(main()))
+    assert reasons == {"g-0": "abort", "g-1": "abort"}
+
+
+def test_leaving_a_group_aborts_every_running_choice():
+    async def main():
+        engine = _engine(step_s=0.005)
+        eng = AsyncEngine(engine)
+        eng.start()
+        gen = eng.generate(EngineRequest("g", [1, 2, 3, 4], params(max_tokens=200), n=2))
+        seen: set[int] = set()
+        async for outs in gen:
+            seen |= {o.index for o in outs if o.new_token_ids}
+            if seen == {0, 1}:
+                break
+        await gen.aclose()
+        for _ in range(200):
+            if not engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        eng.shutdown()
+        return engine
+
+    engine = run(main())
+    assert engine.finished_total["abort"] == 2
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_duplicate_live_id_raises_and_leaves_the_first_stream_alone():
+    async def main():
+        eng = AsyncEngine(_engine(step_s=0.005))
+        eng.start()
+        first = eng.generate(EngineRequest("same", [1, 2], params(max_tokens=6)))
+        await first.__anext__()
+        with pytest.raises(DuplicateRequestIdError):
+            await eng.generate(EngineRequest("same", [3, 4], params(max_tokens=6))).__anext__()
+        rest = [o for outs in [outs async for outs in first] for o in outs]
+        eng.shutdown()
+        return rest
+
+    rest = run(main())
+    assert [t for o in rest for t in o.new_token_ids] == reference([1, 2], 6)
+
+
+def test_queue_bound_is_exact_under_a_burst():
+    """All adds of a burst reach the step thread together; exactly ``max_waiting`` may wait."""
+    async def main():
+        eng = AsyncEngine(_engine(step_s=0.05, max_num_seqs=1), max_waiting=3)
+        eng.start()
+        gens = [eng.generate(EngineRequest(f"b{i}", [1, 2], params(max_tokens=40))) for i in range(10)]
+        results = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
+        for g in gens:
+            await g.aclose()
+        eng.shutdown()
+        return results
+
+    results = run(main())
+    refused = [r for r in results if isinstance(r, EngineOverloadedError)]
+    accepted = [r for r in results if isinstance(r, list)]
+    # The first add may be scheduled at once (running), three wait; the rest are refused.
+    assert len(accepted) <= 4 and len(accepted) + len(refused) == 10 and len(refused) >= 6
+
+
+def test_health_problem_reports_a_stalled_or_dead_step_loop():
+    class Stuck:
+        def __init__(self, inner):
+            self.inner, self.num_blocks = inner, inner.num_blocks
+            self.release = asyncio.Event()
+
+        def execute(self, batch):
+            time.sleep(0.5)
+            return self.inner.execute(batch)
+
+    async def main():
+        engine = _engine()
+        engine.runner = Stuck(engine.runner)
+        eng = AsyncEngine(engine, stall_timeout_s=0.2)
+        eng.start()
+        assert eng.health_problem() is None  # idle is healthy
+        gen = eng.generate(EngineRequest("s", [1, 2], params(max_tokens=3)))
+        await gen.__anext__()
+        await asyncio.sleep(0.35)
+        stalled = eng.health_problem()
+        await gen.aclose()
+        eng.shutdown()
+        return stalled, eng.health_problem()
+
+    stalled, after_shutdown = run(main())
+    assert stalled is not None and "no progress" in stalled
+    assert after_shutdown is not None  # the loop is gone: not healthy

@@ -26,14 +26,25 @@ def _k8s_serve_config() -> dict:
     return yaml.safe_load(service["spec"]["serveConfigV2"])
 
 
+def _deployments(app) -> dict[str, object]:
+    """Every deployment reachable from the built application, by name."""
+    found: dict[str, object] = {}
+    todo = [app._bound_deployment]
+    while todo:
+        d = todo.pop()
+        found[d.name] = d
+        args = [*d.init_args, *d.init_kwargs.values()]
+        todo += [a._bound_deployment for a in args if hasattr(a, "_bound_deployment")]
+    return found
+
+
 @pytest.mark.parametrize("config", [_serve_config, _k8s_serve_config], ids=["serve_config", "k8s"])
-def test_shipped_configs_validate(config):
-    cfg = config()
-    app = cfg["applications"][0]
+def test_shipped_configs_configure_every_deployment_the_graph_builds(config):
+    app = config()["applications"][0]
     assert app["import_path"] == "graph:build_app"
-    AppConfig.from_args(app["args"])
-    names = {d["name"] for d in app["deployments"]}
-    assert names == {"Ingress", "Preprocess", "Egress", "Engine"}
+    built = _deployments(build_app(app["args"]))
+    # A deployment block naming nothing (a typo) or a deployment left unconfigured both fail here.
+    assert {d["name"] for d in app["deployments"]} == set(built)
 
 
 def test_serve_config_binds_loopback():
@@ -57,14 +68,28 @@ def test_build_app_graph_shape():
     app = build_app({"engine": {"max_num_seqs": 4}})
     ingress = app._bound_deployment
     assert ingress.name == "Ingress"
-    preprocess, egress, engine, app_config = ingress.init_args
+    preprocess, egress, engine, app_config, directory = ingress.init_args
     assert preprocess._bound_deployment.name == "Preprocess"
     assert egress._bound_deployment.name == "Egress"
     assert engine._bound_deployment.name == "Engine"
     # Egress and Ingress share the same engine deployment (one engine, two handles).
     assert egress._bound_deployment.init_args[0]._bound_deployment.name == "Engine"
+    # Every stage that needs the app-wide view shares the one Directory.
+    assert directory._bound_deployment.name == "Directory"
+    assert engine._bound_deployment.init_args[3]._bound_deployment is directory._bound_deployment
     assert app_config["engine"]["max_num_seqs"] == 4
+    # The engine routes with the project's router (queue depth and KV headroom), not Serve's default.
+    router = engine._bound_deployment._deployment_config.request_router_config
+    assert router.request_router_class.endswith("EngineRouter") or router.request_router_class.__name__ == "EngineRouter"
     # CPU stages take a fraction of a core; the engine a whole one.
     assert preprocess._bound_deployment.ray_actor_options["num_cpus"] < 1
     assert engine._bound_deployment.ray_actor_options["num_cpus"] == 1
     assert engine._bound_deployment.max_ongoing_requests >= 256
+
+
+def test_build_app_applies_per_deployment_options():
+    app = build_app({}, {"Engine": {"num_replicas": 2}, "Egress": {"ray_actor_options": {"num_cpus": 0.1}}})
+    built = _deployments(app)
+    assert built["Engine"].num_replicas == 2
+    assert built["Egress"].ray_actor_options["num_cpus"] == 0.1
+    assert built["Preprocess"].num_replicas == 1

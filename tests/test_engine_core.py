@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from stages.engine.engine import LLMEngine
+from stages.engine.errors import EngineError
 from stages.engine.request import EventType, RequestStatus
 from tests.fakes import VOCAB, check_engine, make_engine, params, reference, run_all
 
@@ -333,18 +334,18 @@ def test_preempted_request_events():
 # -- validation --------------------------------------------------------------------------------------
 def test_add_request_rejects_bad_requests():
     engine = make_engine(max_model_len=32)
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(EngineError, match="empty"):
         engine.add_request("a", [], params())
-    with pytest.raises(ValueError):
+    with pytest.raises(EngineError):
         engine.add_request("a", prompt(32), params())
     engine.add_request("ok", prompt(31), params(max_tokens=1))  # the longest accepted
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(EngineError, match="token ids"):
         engine.add_request("b", [1, VOCAB], params())
-    with pytest.raises(ValueError, match="token ids"):
+    with pytest.raises(EngineError, match="token ids"):
         engine.add_request("b", [-1, 2], params())
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(EngineError, match="max_tokens"):
         engine.add_request("b", [1, 2], params(max_tokens=0))
-    with pytest.raises(ValueError, match="already in use"):
+    with pytest.raises(EngineError, match="already in use"):
         engine.add_request("ok", [1, 2], params())
     assert set(engine.requests) == {"ok"}
     assert len(engine.scheduler.waiting) == 1
@@ -386,7 +387,7 @@ class EngineMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         if len(p) >= self.engine.max_model_len:
-            with pytest.raises(ValueError):
+            with pytest.raises(EngineError):
                 self.engine.add_request(rid, p, params(max_tokens=max_tokens))
             return
         self.engine.add_request(rid, p, params(max_tokens=max_tokens))

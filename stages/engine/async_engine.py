@@ -150,8 +150,8 @@ class AsyncEngine:
         self._stop = False
         self.dead: BaseException | None = None
         self._stats = engine.stats()
-        #: Monotonic time the step loop last made progress (finished a step, or found no work).
-        self.last_progress = time.monotonic()
+        #: Monotonic time the step in progress began; ``None`` between steps.
+        self._step_started: float | None = None
         # Cancellation accounting: how long aborts took to free blocks (step thread), and tokens
         # produced for consumers that had already gone (event loop).
         self.abort_latencies: deque[float] = deque(maxlen=4096)
@@ -165,7 +165,6 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = loop or asyncio.get_running_loop()
-        self.last_progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
         self._thread.start()
 
@@ -182,10 +181,9 @@ class AsyncEngine:
         return self.dead is None and self._thread is not None and self._thread.is_alive()
 
     def stalled_for(self) -> float:
-        """Seconds the step loop has gone without progress while it had work (0 when fine)."""
-        if not self._stats.num_running and not self._stats.num_waiting and self._inbox.empty():
-            return 0.0
-        return max(0.0, time.monotonic() - self.last_progress)
+        """Seconds the current step has been running (0 between steps: an idle loop is fine)."""
+        started = self._step_started
+        return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
     def health_problem(self) -> str | None:
         """Why this engine cannot serve, or ``None``: the loop died, its thread is gone, or it has
@@ -218,8 +216,8 @@ class AsyncEngine:
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[EngineOutput]]:
         """Stream the outputs of all ``request.n`` choices: each item holds one merged output per
-        choice that produced something. The first item is the acceptance (choice 0, no tokens,
-        ``replica`` set). Leaving the iteration early (break, cancellation, client gone) aborts
+        choice that produced something. The first item is choice 0's acceptance (``replica`` set;
+        merged with its first tokens when they came before the consumer looked). Leaving the iteration early (break, cancellation, client gone) aborts
         every unfinished choice in the engine."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
@@ -348,13 +346,12 @@ class AsyncEngine:
                 self._drain_inbox()
                 if not engine.has_unfinished():
                     self._stats = engine.stats()
-                    self.last_progress = time.monotonic()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
-                t0 = time.monotonic()
+                self._step_started = t0 = time.monotonic()
                 outputs = engine.step()
-                self.last_progress = now = time.monotonic()
+                self._step_started, now = None, time.monotonic()
                 self._stats = engine.stats()
                 if outputs:
                     self._call_loop(self._dispatch, outputs)
