@@ -28,7 +28,7 @@ def _chat(app: ServeApp, rid: str, *, stream: bool = False, headers: dict[str, s
 def _wait_for_trace(app: ServeApp, rid: str, names: set[str], timeout: float = 15.0):
     deadline = time.monotonic() + timeout
     while True:
-        roots = [s for s in app.otlp.spans if s.attributes.get("lifecycle.request_id") == rid
+        roots = [s for s in app.otlp.spans if s.attributes.get("lifecycle.client_request_id") == rid
                  and s.name.startswith("POST ")]
         if roots:
             spans = app.otlp.trace(roots[0].trace_id)
@@ -198,7 +198,7 @@ def test_one_structured_log_line_per_request(serve_app: ServeApp):
     lines: list[str] = []
     while not lines and time.monotonic() < deadline:
         with open(serve_app.request_log) as f:
-            lines = [line for line in f if f'"request_id":"{rid}"' in line]
+            lines = [line for line in f if f'"x_request_id":"{rid}"' in line]
         time.sleep(0.2)
     assert len(lines) == 1, lines
     record = json.loads(lines[0])
@@ -208,3 +208,33 @@ def test_one_structured_log_line_per_request(serve_app: ServeApp):
     assert record["completion_tokens"] == 5 and record["prompt_tokens"] > 0
     assert record["finish_reasons"] == ["length"] and record["outcome"] == "ok"
     assert secret not in lines[0] and "prompt" not in record  # prompts are not logged unless enabled
+    assert re.fullmatch(r"[0-9a-f]{32}", record["request_id"])  # the server-minted id, not the label
+
+
+def _log_records(app: ServeApp, rid: str, timeout: float = 20) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(app.request_log) as f:
+            records = [json.loads(line) for line in f if f'"x_request_id":"{rid}"' in line]
+        if records or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def test_log_line_for_error_and_client_gone_outcomes(serve_app: ServeApp):
+    bad = f"bad-{uuid.uuid4().hex[:8]}"
+    r = httpx.post(serve_app.url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": "nope"},
+                   headers={"X-Request-Id": bad}, timeout=30)
+    assert r.status_code == 400
+    gone = f"gone-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Count to a thousand."}],
+            "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", serve_app.url + "/v1/chat/completions", json=body, headers={"X-Request-Id": gone},
+                      timeout=60) as resp:
+        for line in resp.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break  # leave after the first token
+    [bad_record] = _log_records(serve_app, bad)
+    assert bad_record["outcome"] == "error" and bad_record["status"] == 400
+    [gone_record] = _log_records(serve_app, gone)
+    assert gone_record["outcome"] == "client_gone"

@@ -40,18 +40,10 @@ from stages.errors import (
 )
 from stages.ingress.errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
-from stages.ingress.sse import ClosingStreamingResponse, first_item, relay
+from stages.ingress.sse import first_item, relay, sse_response
 from stages.metrics import IngressMetrics, RequestRecord, render_app
 from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
-from stages.openai_format import (
-    SSE_HEADERS,
-    SSE_KEEPALIVE,
-    TIMING_FIELD,
-    final_stream_chunk,
-    server_timing_header,
-    sse_event,
-    usage,
-)
+from stages.openai_format import TIMING_FIELD, server_timing_header
 from stages.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,7 +53,7 @@ from stages.openai_schema import (
     parse_request,
     to_sampling_params,
 )
-from stages.protocol import AbortRequest, GenerationJob, PreprocessRequest, StreamFrame, StreamSummary
+from stages.protocol import AbortRequest, GenerationJob, PreprocessRequest, StreamSummary
 from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -262,45 +254,9 @@ class Ingress:
         return JSONResponse(body, headers=headers)
 
     def _stream(self, gen: Any, job: GenerationJob, live: LiveRequest) -> Response:
-        """The SSE response: Egress frames, heartbeats while nothing comes, closing events."""
-        interval = self.cfg.http.keepalive_interval_s
-
-        async def body() -> Any:
-            events = 0  # Egress numbers its events from 0; the closing events continue the count
-            try:
-                async for item in relay(gen, interval, self._deadline(live)):
-                    if item is None:
-                        yield SSE_KEEPALIVE
-                    elif isinstance(item, StreamFrame):
-                        events += 1
-                        live.mark_tokens(item.num_tokens)
-                        yield item.data
-                    else:
-                        timings = self._timings(live, item)
-                        usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
-                                      if job.include_usage else None)
-                        yield sse_event(final_stream_chunk(job.kind, job.response_id, job.created, job.model_name,
-                                                           usage_body, timings), events)
-                        yield sse_event("[DONE]", events + 1)
-                        self.lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", item, timings)
-                        return
-            except (asyncio.CancelledError, GeneratorExit):
-                live.outcome = "client_gone"
-                raise
-            except Exception as exc:  # noqa: BLE001 - the status is sent: report in-band, then end
-                err = to_serve_error(exc)
-                live.status = err.status_code
-                live.outcome = "timeout" if isinstance(err, RequestTimeoutError) else "error"
-                yield sse_event(err.to_dict(), events)
-                yield sse_event("[DONE]", events + 1)
-
-        def on_close() -> None:
-            if not live.closed:
-                gen.cancel()  # Ray Serve carries this to Egress and on to the engine: abort
-                self.lifecycle.close(live, "client_gone" if live.outcome == "ok" else None)
-
-        return ClosingStreamingResponse(body(), on_close, media_type="text/event-stream",
-                                        headers={**SSE_HEADERS, **self._id_headers(live)})
+        return sse_response(gen, job, live, self.lifecycle, self._timings,
+                            keepalive_s=self.cfg.http.keepalive_interval_s, deadline=self._deadline(live),
+                            headers=self._id_headers(live))
 
     # -- accounting (once per request, from Lifecycle.close) -----------------------------------------
     def _timings(self, live: LiveRequest, summary: StreamSummary) -> dict[str, float]:
@@ -371,7 +327,7 @@ class Ingress:
         problems = await self._health_problems()
         if problems:
             return error_response(EngineUnavailableError("; ".join(problems)))
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "replica": self.replica})
 
     async def _health_problems(self) -> list[str]:
         async def probe(name: str, call: Any) -> tuple[str, Any, BaseException | None]:

@@ -22,7 +22,10 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from stages.errors import InternalServerError, RequestTimeoutError
-from stages.protocol import StreamFrame, StreamStart, StreamSummary
+from stages.ingress.errors import to_serve_error
+from stages.ingress.lifecycle import Lifecycle, LiveRequest
+from stages.openai_format import SSE_HEADERS, SSE_KEEPALIVE, final_stream_chunk, sse_event, usage
+from stages.protocol import GenerationJob, StreamFrame, StreamStart, StreamSummary
 
 logger = logging.getLogger("lifecycle.ingress")
 
@@ -89,3 +92,50 @@ class ClosingStreamingResponse(StreamingResponse):
                 except Exception:  # noqa: BLE001 - cleanup below must still run
                     logger.debug("closing the SSE body failed", exc_info=True)
             self._on_close()
+
+
+def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lifecycle,
+                 timings: Callable[[LiveRequest, StreamSummary], dict[str, float]], *, keepalive_s: float,
+                 deadline: float | None = None, headers: dict[str, str] | None = None) -> ClosingStreamingResponse:
+    """The SSE response of a streamed request whose :class:`StreamStart` has been read from ``gen``:
+    Egress frames as they come, heartbeats while nothing does, then the closing chunk (usage when
+    asked, server timings) and ``[DONE]``; an error after the 200 is an in-band error event, then
+    ``[DONE]``. However it ends, ``lifecycle.close`` runs exactly once and an unfinished Egress
+    call is cancelled (which aborts the request in the engine)."""
+
+    async def body() -> AsyncIterator[str]:
+        events = 0  # Egress numbers its events from 0; the closing events continue the count
+        try:
+            async for item in relay(gen, keepalive_s, deadline):
+                if item is None:
+                    yield SSE_KEEPALIVE
+                elif isinstance(item, StreamFrame):
+                    events += 1
+                    live.mark_tokens(item.num_tokens)
+                    yield item.data
+                else:
+                    parts = timings(live, item)
+                    usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
+                                  if job.include_usage else None)
+                    yield sse_event(final_stream_chunk(job.kind, job.response_id, job.created, job.model_name,
+                                                       usage_body, parts), events)
+                    yield sse_event("[DONE]", events + 1)
+                    lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", item, parts)
+                    return
+        except (asyncio.CancelledError, GeneratorExit):
+            live.outcome = "client_gone"
+            raise
+        except Exception as exc:  # noqa: BLE001 - the status is sent: report in-band, then end
+            err = to_serve_error(exc)
+            live.status = err.status_code
+            live.outcome = "timeout" if isinstance(err, RequestTimeoutError) else "error"
+            yield sse_event(err.to_dict(), events)
+            yield sse_event("[DONE]", events + 1)
+
+    def on_close() -> None:
+        if not live.closed:
+            gen.cancel()  # Ray Serve carries this to Egress and on to the engine: abort
+            lifecycle.close(live, "client_gone" if live.outcome == "ok" else None)
+
+    return ClosingStreamingResponse(body(), on_close, media_type="text/event-stream",
+                                    headers={**SSE_HEADERS, **(headers or {})})
