@@ -21,10 +21,12 @@ SmolLM2-135M-Instruct float32 weights, and measures:
     900-token prefix (56 full 16-token blocks = 896 tokens) in the cache; warm = TTFT of prefix +
     a different suffix Y. TTFT = ``add_request`` to the ``step()`` that returns the first token.
     Run with ``max_num_batched_tokens=1024`` (cold prefill in one step) and with the default 512.
-(d) batch-1 decode step time next to the memory-bandwidth floor: copy bandwidth (512 MB float32
-    ``copy_``, best of several, read + write bytes counted) and read bandwidth (``sum`` over the
-    same tensor); floor = unique weight bytes / the higher of the two; our median decode step
-    (from (a)) divided by the floor.
+(d) batch-1 decode step time per weight format (``--weights``, default float32,int4,int8; the
+    formats alternate within each repeat) next to the memory-bandwidth floor: copy bandwidth
+    (512 MB float32 ``copy_``, best of several, read + write bytes counted) and read bandwidth
+    (``sum`` over the same tensor); floor = the bytes that format actually reads per decode step
+    (linear layers as their kernel reads them at one row, LM head, norms, one embedding row, and
+    the K/V at the median context) / the higher of the two. Parts (a)-(c) use float32 weights.
 
 Medians over repeats after warm-up runs; ours and transformers alternate within each repeat so
 background load hits both alike. Writes ``bench/results/engine.json`` and ``engine.md``.
@@ -163,28 +165,44 @@ class Bench:
 
         self.args = args
         t0 = time.perf_counter()
-        base = LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, num_threads=args.threads))
+        # Parts (a)-(c) compare against transformers on the same float32 weights.
+        base = LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, num_threads=args.threads,
+                                                  weights="float32", device=args.device,
+                                                  dtype="float32"))
         self.runner = base.runner
         self.info = model_info(EMBEDDED_MODEL)
         self.tok = load_tokenizer(EMBEDDED_MODEL)
         model_dir = resolve_model_dir(EMBEDDED_MODEL)
-        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(args.device)
         torch.set_num_threads(args.threads)
         self.pad_id = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.info.eos_token_ids[0]
         self.text_ids: list[int] = self.tok(TEXT, add_special_tokens=False)["input_ids"]
+        self.runners: dict[str, Any] = {}
         self.load_s = time.perf_counter() - t0
 
     # -- our engine -----------------------------------------------------------------------------
     def engine(self, max_num_batched_tokens: int = 512) -> LLMEngine:
         """A fresh engine state (empty queues, empty prefix cache) over the shared runner."""
-        cfg = EngineConfig(model=EMBEDDED_MODEL, num_threads=self.args.threads,
-                           max_num_batched_tokens=max_num_batched_tokens)
+        cfg = EngineConfig(model=EMBEDDED_MODEL, num_threads=self.args.threads, device=self.args.device,
+                           max_num_batched_tokens=max_num_batched_tokens, weights="float32")
         return LLMEngine(cfg, self.runner, self.info.eos_token_ids, self.info.vocab_size,
                          self.info.max_model_len)
 
-    def ours_single(self, prompt: list[int], n: int) -> dict[str, Any]:
+    def runner_for(self, weights: str) -> Any:
+        """The shared float32 runner, or one built (once) for another weight format."""
+        if weights == "float32":
+            return self.runner
+        if weights not in self.runners:
+            eng = LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, num_threads=self.args.threads,
+                                                     weights=weights, num_kv_blocks=self.runner.num_blocks,
+                                                     device=self.args.device))
+            self.runners[weights] = eng.runner
+        return self.runners[weights]
+
+    def ours_single(self, prompt: list[int], n: int, weights: str = "float32") -> dict[str, Any]:
         """One request; returns first/last token times, per-step durations and tokens."""
         eng = self.engine()
+        eng.runner = self.runner_for(weights)
         t_add = time.perf_counter()
         eng.add_request("r", prompt, greedy(n))
         tokens: list[int] = []
@@ -249,7 +267,7 @@ class Bench:
                 pass
 
         st = Stamps()
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.args.device)
         t_start = time.perf_counter()
         with torch.inference_mode():
             out = self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
@@ -262,8 +280,9 @@ class Bench:
 
     def hf_static(self, prompts: list[list[int]], n: int) -> dict[str, Any]:
         width = max(len(p) for p in prompts)
-        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        dev = self.args.device
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in prompts], device=dev)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=dev)
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = self.hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
@@ -423,25 +442,74 @@ def bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
             "read_gb_s_sum": nbytes / min(sum_s) / 1e9}
 
 
-def part_d(b: Bench, step_s: list[float], bw_bytes: int, bw_repeats: int,
+def step_bytes(runner: Any, context_len: int) -> dict[str, int]:
+    """Bytes a batch-1 decode step reads: every linear layer's weights as its kernel reads them at
+    one row (packed int4/int8 + bfloat16 scales, or float32), the LM head, the norms, one embedding
+    row, and the K/V of ``context_len`` cached tokens in every layer."""
+    from stages.engine.quant import QuantLinear
+
+    model = runner.model
+    linear = head = other = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            nbytes = mod.weight_bytes(rows=1) + (mod.bias.numel() * 4 if mod.bias is not None else 0)
+            if name == "lm_head":
+                head += nbytes
+            else:
+                linear += nbytes
+        elif isinstance(mod, torch.nn.Linear):
+            nbytes = sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
+            if name == "lm_head":
+                head += nbytes
+            else:
+                linear += nbytes
+    emb = model.embed_tokens.weight
+    for pname, p in model.named_parameters():
+        if ".norm" in pname or "layernorm" in pname or pname == "norm.weight":
+            other += p.numel() * p.element_size()
+    other += emb.shape[1] * emb.element_size()  # the one embedding row looked up
+    kv = context_len * runner.kv_bytes_per_token
+    return {"linear": linear, "lm_head": head, "norms_and_embedding_row": other, "kv": kv,
+            "total": linear + head + other + kv}
+
+
+def part_d(b: Bench, formats: list[str], n: int, repeats: int, bw_bytes: int, bw_repeats: int,
            hf_tok_s: float | None) -> dict[str, Any]:
-    print("[d] memory-bandwidth floor of a batch-1 decode step", flush=True)
+    """Batch-1 decode step per weight format, measured alternately, next to the bandwidth floor of
+    the bytes that format actually reads per step."""
+    print(f"[d] batch-1 decode step vs bandwidth floor, per weight format {formats}", flush=True)
     bw = bandwidth(bw_bytes, bw_repeats)
-    params = list(b.runner.model.parameters())  # Module.parameters() yields a tied tensor once
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
-    hf_bytes = sum(p.numel() * p.element_size() for p in b.hf.parameters())
     best = max(bw["copy_gb_s_read_plus_write"], bw["read_gb_s_sum"])
-    floor = weight_bytes / (best * 1e9)
-    step = median(step_s)
-    res = {**bw, "weight_bytes": weight_bytes, "hf_weight_bytes": hf_bytes,
-           "floor_bandwidth_gb_s": best, "floor_step_s": floor, "median_ours_decode_step_s": step,
-           "ours_steps_measured": len(step_s), "ratio_step_over_floor": step / floor}
+    prompt = b.window(0, 32)
+    steps: dict[str, list[float]] = {f: [] for f in formats}
+    tokens: dict[str, list[int]] = {}
+    for f in formats:  # warm-up (and build the runner) outside the timing
+        b.ours_single(prompt, 8, f)
+    for r in range(repeats):
+        for f in formats:
+            run = b.ours_single(prompt, n, f)
+            steps[f].extend(run["decode_step_s"])
+            tokens[f] = run["tokens"]
+        print(f"    repeat {r + 1}: " + ", ".join(f"{f} {median(steps[f]) * 1e3:.1f} ms" for f in formats),
+              flush=True)
+    ctx = len(prompt) + n // 2  # the median decode step's context
+    res: dict[str, Any] = {**bw, "floor_bandwidth_gb_s": best, "output_tokens": n, "repeats": repeats,
+                           "median_context_tokens": ctx, "formats": {}}
+    ref = tokens.get("float32")
+    for f in formats:
+        nbytes = step_bytes(b.runner_for(f), ctx)
+        floor = nbytes["total"] / (best * 1e9)
+        step = median(steps[f])
+        row = {"bytes_per_step": nbytes, "floor_step_s": floor, "median_decode_step_s": step,
+               "steps_measured": len(steps[f]), "ratio_step_over_floor": step / floor,
+               "decode_tok_s": 1.0 / step}
+        if ref is not None:
+            row["greedy_tokens_equal_to_float32"] = match_prefix(tokens[f], ref)
+        res["formats"][f] = row
+        print(f"    {f}: {nbytes['total'] / 1e6:.1f} MB/step -> floor {floor * 1e3:.2f} ms; median step "
+              f"{step * 1e3:.2f} ms ({step / floor:.2f}x floor)", flush=True)
     if hf_tok_s:
         res["hf_time_per_decode_token_s"] = 1.0 / hf_tok_s
-        res["hf_ratio_over_floor"] = (1.0 / hf_tok_s) / floor
-    print(f"    copy {bw['copy_gb_s_read_plus_write']:.1f} GB/s (r+w), read {bw['read_gb_s_sum']:.1f} GB/s; "
-          f"weights {weight_bytes / 1e6:.1f} MB -> floor {floor * 1e3:.1f} ms; "
-          f"our median step {step * 1e3:.1f} ms ({step / floor:.2f}x floor)", flush=True)
     return res
 
 
@@ -478,12 +546,14 @@ def markdown(res: dict[str, Any]) -> str:
                         f"(ours cold) {run['median_cold_ttft_s'] * 1e3:.0f} ms | "
                         f"{run['speedup']:.1f}x faster | ≥ {c['goal']:.0f}x | {yes(run['met'])} |")
     if d:
-        hf = (f"{d['hf_time_per_decode_token_s'] * 1e3:.1f} ms/token ({d['hf_ratio_over_floor']:.2f}x floor)"
-              if "hf_time_per_decode_token_s" in d else "—")
-        rows.append(f"| (d) batch-1 decode step vs bandwidth floor ({d['weight_bytes'] / 1e6:.0f} MB weights "
-                    f"/ {d['floor_bandwidth_gb_s']:.1f} GB/s = {d['floor_step_s'] * 1e3:.1f} ms) | "
-                    f"{d['median_ours_decode_step_s'] * 1e3:.1f} ms/step | {hf} | "
-                    f"{d['ratio_step_over_floor']:.2f}x floor | — | — |")
+        for f, row in d["formats"].items():
+            nb = row["bytes_per_step"]
+            hf = (f"{d['hf_time_per_decode_token_s'] * 1e3:.1f} ms/token (float32)"
+                  if f == "float32" and "hf_time_per_decode_token_s" in d else "—")
+            rows.append(f"| (d) batch-1 decode step, **{f}** weights, vs bandwidth floor "
+                        f"({nb['total'] / 1e6:.1f} MB read per step / {d['floor_bandwidth_gb_s']:.1f} GB/s = "
+                        f"{row['floor_step_s'] * 1e3:.2f} ms) | {row['median_decode_step_s'] * 1e3:.1f} ms/step "
+                        f"| {hf} | {row['ratio_step_over_floor']:.2f}x floor | — | — |")
     return "\n".join(rows) + "\n"
 
 
@@ -493,6 +563,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer tokens and repeats (smoke check)")
     ap.add_argument("--parts", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
+    ap.add_argument("--device", default="cpu", help="engine and transformers device (cpu or cuda)")
+    ap.add_argument("--weights", default="float32,int4,int8",
+                    help="weight formats for (d), measured alternately (default float32,int4,int8)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats for (a) and (c) (default 3)")
     ap.add_argument("--b-repeats", type=int, default=None, help="repeats for (b) (default 2)")
     ap.add_argument("--hf-subset", type=int, default=None,
@@ -554,14 +627,12 @@ def main() -> None:
         res["load_average_by_part"]["d"] = loadavg()
         mon = CpuMonitor()
         a = res["parts"].get("a")
-        if a:
-            step_s, hf_tok_s = a["ours_decode_step_s"], a["median_hf_decode_tok_s"]
-        else:
-            step_s, hf_tok_s = b.ours_single(b.window(0, 32), 33)["decode_step_s"], None
-        res["parts"]["d"] = part_d(b, step_s, 512 << 20, 3 if q else 7, hf_tok_s)
+        hf_tok_s = a["median_hf_decode_tok_s"] if a else None
+        formats = [f.strip() for f in args.weights.split(",") if f.strip()]
+        res["parts"]["d"] = part_d(b, formats, n_a, rep, 512 << 20, 3 if q else 7, hf_tok_s)
         res["other_processes_cpu_cores_by_part"]["d"] = mon.other_cores()
-        if a:  # keep the JSON small: the per-step list lives in (d) only as its median
-            del a["ours_decode_step_s"]
+        if a:  # keep the JSON small
+            a.pop("ours_decode_step_s", None)
     res["load_average_end"] = loadavg()
     res["elapsed_s"] = time.time() - started
     table = markdown(res)

@@ -17,6 +17,8 @@ max abs diff directly for one prefill and one decode step.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -25,6 +27,9 @@ from stages.model_info import EMBEDDED_MODEL, load_tokenizer, resolve_model_dir
 from stages.protocol import SamplingParams
 
 MAX_NEW = 24
+#: The engine's device; ``bench/gpu_check.sh`` sets ``LIFECYCLE_TEST_DEVICE=cuda`` (float32 there too,
+#: TF32 off, against the same CPU reference).
+DEVICE = os.environ.get("LIFECYCLE_TEST_DEVICE", "cpu")
 NEAR_TIE = 2e-3  # float32 noise across matmul shapes is ~1e-5 on these logits; this is generous
 
 _TEXTS = [
@@ -103,7 +108,7 @@ def reference(hf_model, prompts) -> list[tuple[list[int], list[float]]]:
 
 def _engine(**overrides) -> LLMEngine:
     cfg = dict(model=EMBEDDED_MODEL, num_kv_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=64,
-               weights="float32")
+               weights="float32", device=DEVICE, dtype="float32")
     cfg.update(overrides)
     return LLMEngine.from_config(EngineConfig(**cfg))
 
@@ -201,7 +206,7 @@ def test_logits_close_to_transformers(engine, hf_model, prompts):
     input_ids, meta, ordered = engine.runner.prepare(sched.scheduled)
     meta.logits_indices = None  # every position
     with torch.inference_mode():
-        ours = engine.runner.model(input_ids, meta, engine.runner.kv_caches)
+        ours = engine.runner.model(input_ids, meta, engine.runner.kv_caches).float().cpu()
         theirs = hf_model(torch.tensor([prompt])).logits[0]
     assert isinstance(ordered[0], ScheduledRequest)
     start = ordered[0].start

@@ -87,18 +87,27 @@ def _bf16_linear_io(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(model, prompts):
-    refs = []
+    """Greedy tokens and top-2 gaps per prompt. The short prompts run as one left-padded batch (the
+    padding changes matmul shapes, i.e. float32 noise far below this test's bfloat16 tolerance),
+    each long one alone; that keeps the reference to about a minute on 2 cores."""
+    refs: dict[int, tuple[list[int], list[float]]] = {}
+    short = [i for i, p in enumerate(prompts) if len(p) <= 256]
+    groups = [short] + [[i] for i in range(len(prompts)) if i not in short]
     with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+        for group in groups:
+            width = max(len(prompts[i]) for i in group)
+            ids = torch.tensor([[2] * (width - len(prompts[i])) + prompts[i] for i in group])
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in group])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
                                  do_sample=False, output_logits=True, return_dict_in_generate=True,
                                  pad_token_id=2)
-            tokens = out.sequences[0, len(p):].tolist()
-            gaps = [float(lg[0].topk(2).values[0] - lg[0].topk(2).values[1]) for lg in out.logits]
-            refs.append((tokens, gaps))
-    return refs
+            for row, i in enumerate(group):
+                top2 = [lg[row].float().topk(2).values for lg in out.logits]
+                refs[i] = (out.sequences[row, width:].tolist(), [float(t[0] - t[1]) for t in top2])
+    return [refs[i] for i in range(len(prompts))]
 
 
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("weights", ["int4", "int8"])
 def test_quantised_greedy_and_logits_match_dequantised_reference(weights, prompts):  # noqa: F811
     eng = _engine(weights)

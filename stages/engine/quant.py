@@ -140,8 +140,11 @@ class QuantLinear(nn.Module):
     a dense GEMM on the dequantised weights above it."""
 
     def __init__(self, weight: GroupInt4 | ChannelInt8, bias: torch.Tensor | None,
-                 dense_min_rows: int = 16, keep_dense: bool = True) -> None:
+                 dense_min_rows: int = 16, keep_dense: bool = True, cast_output: bool = True) -> None:
         super().__init__()
+        #: False: return the kernel's own dtype (bfloat16), for a caller that adds the result to a
+        #: float32 tensor anyway (a residual): ``x + y`` promotes exactly, one op instead of two.
+        self.cast_output = cast_output
         self.out_features, self.in_features = weight.q.shape
         self.kind = "int4" if isinstance(weight, GroupInt4) else "int8"
         if isinstance(weight, GroupInt4):
@@ -175,8 +178,9 @@ class QuantLinear(nn.Module):
                                                            self.scales)
         else:
             y = torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales)
-        y = y.to(x.dtype)
-        return y + self.bias if self.bias is not None else y
+        if self.bias is not None:
+            return y.to(x.dtype) + self.bias
+        return y.to(x.dtype) if self.cast_output else y
 
     def weight_bytes(self, rows: int = 1) -> int:
         """Bytes of weights a forward over ``rows`` rows reads."""

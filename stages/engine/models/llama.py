@@ -272,19 +272,20 @@ class LlamaForCausalLM(nn.Module):
         embedding stays a float table: a step reads only its own tokens' rows."""
         from stages.engine.quant import QuantLinear
 
-        def fused(names: list[str], bias: nn.Linear | None = None) -> QuantLinear:
+        def fused(names: list[str], bias: nn.Linear | None = None, residual: bool = False) -> QuantLinear:
             parts = [linears[n] for n in names]
             weight = type(parts[0]).cat(parts) if len(parts) > 1 else parts[0]
             b = bias.bias.detach() if bias is not None and bias.bias is not None else None
-            return QuantLinear(weight, b, dense_min_rows)
+            # A layer whose output only feeds the float32 residual add skips its own cast.
+            return QuantLinear(weight, b, dense_min_rows, cast_output=not residual)
 
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
             attn.qkv_proj = fused([p + f"self_attn.{n}_proj.weight" for n in "qkv"], attn.qkv_proj)
-            attn.o_proj = fused([p + "self_attn.o_proj.weight"])
+            attn.o_proj = fused([p + "self_attn.o_proj.weight"], residual=True)
             layer.mlp.gate_up_proj = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-            layer.mlp.down_proj = fused([p + "mlp.down_proj.weight"])
+            layer.mlp.down_proj = fused([p + "mlp.down_proj.weight"], residual=True)
         if lm_head is not None:
             self.lm_head = QuantLinear(lm_head, None, dense_min_rows)
 

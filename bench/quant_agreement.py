@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Greedy agreement of each quantised weight path with the float32 model over the parity prompts.
+
+The float32 engine is token-exact with transformers on the GGUF's exact dequantisation
+(``tests/test_engine_parity.py``); this measures how far each quantised path (and LM-head choice)
+moves greedy decoding from it: per prompt, the number of leading tokens equal to float32's, out of
+``--tokens``. All prompts run at once (chunked prefill, 64-token chunks), as in the parity test.
+
+    .venv/bin/python bench/quant_agreement.py                # int4/int8 x LM head int8/int4/float
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from stages.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from stages.model_info import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
+from stages.protocol import SamplingParams  # noqa: E402
+from tests.test_engine_parity import _TEXTS, _long_text  # noqa: E402
+
+
+def prompts() -> list[list[int]]:
+    tok = load_tokenizer(EMBEDDED_MODEL)
+    out = [[tok.bos_token_id or 1]] + [tok(t)["input_ids"] for t in _TEXTS]
+    chat = tok.apply_chat_template([{"role": "user", "content": "Write a haiku about GPUs."}],
+                                   add_generation_prompt=True, tokenize=False)
+    out += [tok(chat)["input_ids"], tok(_long_text(3))["input_ids"], tok(_long_text(24))["input_ids"]]
+    return out
+
+
+def run(weights: str, lm_head: str, ps: list[list[int]], n: int) -> list[list[int]]:
+    import stages.engine.loader as loader
+
+    saved = dict(loader.LM_HEAD_DEFAULT)
+    if weights != "float32":
+        loader.LM_HEAD_DEFAULT[weights] = lm_head
+    try:
+        eng = LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, weights=weights, num_kv_blocks=1024,
+                                                 max_num_batched_tokens=64, enable_prefix_caching=False))
+    finally:
+        loader.LM_HEAD_DEFAULT.update(saved)
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), p, params)
+    outs: list[list[int]] = [[] for _ in ps]
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[int(o.request_id)].extend(o.new_token_ids)
+    return outs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--configs", default="int4:int8,int4:int4,int4:float,int8:int8,int8:float")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quant_agreement.json"))
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    ps = prompts()
+    ref = run("float32", "float", ps, a.tokens)
+    res = {}
+    for cfg in a.configs.split(","):
+        weights, head = cfg.split(":")
+        got = run(weights, head, ps, a.tokens)
+        prefix = [next((k for k, (x, y) in enumerate(zip(g, r, strict=True)) if x != y), a.tokens)
+                  for g, r in zip(got, ref, strict=True)]
+        res[cfg] = {"identical_prompts": sum(p == a.tokens for p in prefix), "prompts": len(ps),
+                    "median_leading_tokens_equal": statistics.median(prefix), "leading_tokens_equal": prefix}
+        print(f"weights {weights}, LM head {head}: {res[cfg]['identical_prompts']}/{len(ps)} prompts identical "
+              f"for {a.tokens} tokens; leading tokens equal per prompt {prefix}", flush=True)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"tokens": a.tokens, "results": res}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
