@@ -23,7 +23,11 @@ def sse_event(data: dict[str, Any] | str, event_id: int | None = None) -> str:
     return f"{prefix}data: {payload}\n\n"
 
 
-SSE_KEEPALIVE = ": keep-alive\n\n"
+#: A heartbeat comment line with no blank line after it: a blank line would end an "event" made of
+#: just the comment, and clients that keep the last ``id:`` (the official ``openai`` client does)
+#: then dispatch an event with empty data and fail to parse it. A comment line on its own is
+#: folded into the next event and ignored there, as the SSE spec says.
+SSE_KEEPALIVE = ": keep-alive\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 

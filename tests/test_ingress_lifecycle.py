@@ -133,7 +133,7 @@ def test_every_disconnect_cleans_up_exactly_once(case: str):
     elif case == "heartbeat_wait":
         gen = FakeEgress([(0, None)])
         sent = asyncio.run(drive(h.response(gen, keepalive_s=0.02), disconnect_after=0.2))
-        assert b": keep-alive\n\n" in sent
+        assert b": keep-alive\n" in sent
     elif case == "long_prefill":
         gen = FakeEgress([(5.0, frame(0))])  # no token yet when the client leaves
         sent = asyncio.run(drive(h.response(gen), disconnect_after=0.1))
@@ -267,3 +267,24 @@ def test_find_local_respects_the_creating_api_key():
     assert lc.find_local(live.response_id, "key-2") == []
     assert lc.find_local(live.response_id, "key-1") == [live]
     assert lc.find_local("x", "key-1") == [live]
+
+
+def test_heartbeats_between_events_are_invisible_to_the_official_client():
+    """The openai client keeps the last ``id:``; a heartbeat ended by a blank line became an event
+    with empty data there, which it failed to parse mid-stream."""
+    from openai._streaming import SSEDecoder
+
+    h = Harness()
+    gen = FakeEgress([(0, frame(0)), (0.12, frame(1)), (0, summary())])
+    raw = b"".join(asyncio.run(drive(h.response(gen, keepalive_s=0.03))))
+    assert b": keep-alive" in raw
+    decoder = SSEDecoder()
+    events = []
+    for line in raw.decode().split("\n"):
+        event = decoder.decode(line)
+        if event is not None:
+            events.append(event)
+            if event.data == "[DONE]":
+                break  # where the client stops reading
+    assert [e.id for e in events] == [str(i) for i in range(len(events))]
+    assert all(e.data for e in events) and events[-1].data == "[DONE]"
