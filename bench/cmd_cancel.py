@@ -126,7 +126,9 @@ def analyse(a: argparse.Namespace, samples: list[dict[str, Any]], t_drop: float,
             "kv_drop_latency_s": t_kv_drop, "kv_usage_min_after_drop_pct": pct100(min(kv_after)) if kv_after else None,
             "tokens_for_nobody_dropped": gone, "tokens_for_nobody_all": gone_all,
             "tokens_for_nobody_client_view": window_tokens,
-            "running_end": end.get("num_requests_running"), "samples": samples}
+            "running_end": end.get("num_requests_running"),
+            "sample_interval_s": report.med([b["t"] - x["t"] for x, b in zip(good, good[1:], strict=False)]),
+            "samples": samples}
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
@@ -167,8 +169,9 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     when = "after sending" if a.from_start else "after every stream had its first token"
     table += (f"\n\n{a.streams} streams × {a.max_tokens} tokens (ignore_eos), {a.drop} clients dropped "
               f"{a.drop_after:g} s {when} (connection closed), the rest cancelled {a.observe:g} s later; "
-              f"/metrics polled every "
-              f"{a.poll * 1e3:.0f} ms, so latencies are ± one poll interval.")
+              f"/metrics polled every {a.poll * 1e3:.0f} ms plus the scrape itself: one sample every "
+              f"{report.fmt(report.med([r['sample_interval_s'] for r in rounds]) * 1e3, 0)} ms (median), so "
+              "latencies are ± one sample interval.")
     fig, ax = report.figure(1, 8, 4.2)
     r0 = rounds[0]
     good = [s for s in r0["samples"] if s.get("num_requests_running") is not None]
