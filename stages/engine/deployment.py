@@ -66,6 +66,7 @@ class EngineDeployment:
         # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
         self.async_engine.start(asyncio.get_running_loop())
         self._seq = itertools.count()
+        self._last_ttft = 0.0
         self.directory = directory
         self._reporter = asyncio.create_task(self._report_loop()) if directory is not None else None
         logger.info("engine %s ready: %s, max_model_len=%d, %d KV blocks of %d tokens", self.replica,
@@ -105,6 +106,21 @@ class EngineDeployment:
     def record_routing_stats(self) -> dict[str, Any]:
         """What :class:`stages.routing.EngineRouter` ranks replicas by (Serve calls this)."""
         return {**self.async_engine.snapshot(), "seq": next(self._seq)}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The engine's saturation signals for :func:`stages.autoscaling.engine_policy`: waiting
+        requests, KV-cache usage, and the mean engine-side TTFT of requests that got their first
+        token since the last call (held while busy with none new, 0 when idle)."""
+        from stages.autoscaling import KV_USAGE, TTFT, WAITING
+
+        recent = self.engine.recent_ttfts
+        ttfts = [recent.popleft() for _ in range(len(recent))]
+        stats = self.async_engine.stats()
+        if ttfts:
+            self._last_ttft = sum(ttfts) / len(ttfts)
+        elif not stats.num_running and not stats.num_waiting:
+            self._last_ttft = 0.0
+        return {WAITING: float(stats.num_waiting), KV_USAGE: stats.kv_cache_usage, TTFT: self._last_ttft}
 
     async def _report_loop(self) -> None:
         interval = self.settings.report_interval_s

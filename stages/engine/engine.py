@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -100,6 +101,9 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.finished_total: dict[str, int] = {"stop": 0, "length": 0, "abort": 0}
         self.num_steps = 0
+        #: Engine-side TTFT (arrival → first token, seconds) of recent requests, newest last; the
+        #: autoscaling signal drains it (appends and pops are thread-safe on a deque).
+        self.recent_ttfts: deque[float] = deque(maxlen=4096)
         #: Called with every request as it leaves the engine (finished or aborted), on the
         #: thread that drives ``step()``; used for tracing. Must be cheap.
         self.on_finish: Callable[[Request], None] | None = None
@@ -189,6 +193,7 @@ class LLMEngine:
             self.generation_tokens_total += 1
             if first:
                 self.prompt_tokens_total += req.num_prompt_tokens
+                self.recent_ttfts.append(now - req.arrival_time)
             status = req.check_stop(self.max_model_len)
             lps = [logprob] if logprob is not None else None
             if status is not None:
