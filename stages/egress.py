@@ -227,13 +227,13 @@ class EgressDeployment:
     """CPU stage between the engine and Ingress; scale it with ``num_replicas``."""
 
     def __init__(self, engine: Any, model: str, tracing: dict[str, Any] | None = None) -> None:
-        from stages.model_info import load_tokenizer
+        from stages.model_info import load_cpu_tokenizer
         from stages.telemetry import configure_tracing
 
         configure_tracing(tracing, component="egress")
         self.engine = engine  # DeploymentHandle of the engine, created once and reused
         self._stream_handle = engine.options(stream=True)
-        self.egress = Egress(load_tokenizer(model), self._open, self._abort)
+        self.egress = Egress(load_cpu_tokenizer(model), self._open, self._abort)
 
     def _open(self, req: Any) -> EngineStream:
         gen = self._stream_handle.generate.remote(req)

