@@ -128,7 +128,18 @@ def analyse(a: argparse.Namespace, samples: list[dict[str, Any]], t_drop: float,
             "tokens_for_nobody_client_view": window_tokens,
             "running_end": end.get("num_requests_running"),
             "sample_interval_s": report.med([b["t"] - x["t"] for x, b in zip(good, good[1:], strict=False)]),
+            "metrics_refresh_s": refresh_period(good),
             "samples": samples}
+
+
+def refresh_period(samples: list[dict[str, Any]]) -> float | None:
+    """How often the engine's numbers in /metrics actually change while it is busy: the median time
+    between changes of the generation-token counter (a server may report its engine state
+    periodically rather than on each scrape)."""
+    changes = [s["t"] for x, s in zip(samples, samples[1:], strict=False)
+               if s.get("generation_tokens") is not None and s.get("generation_tokens") != x.get("generation_tokens")]
+    gaps = [b - x for x, b in zip(changes, changes[1:], strict=False)]
+    return report.med(gaps) if gaps else None
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
@@ -172,6 +183,10 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
               f"/metrics polled every {a.poll * 1e3:.0f} ms plus the scrape itself: one sample every "
               f"{report.fmt(report.med([r['sample_interval_s'] for r in rounds]) * 1e3, 0)} ms (median), so "
               "latencies are ± one sample interval.")
+    refresh = report.med([r["metrics_refresh_s"] for r in rounds if r.get("metrics_refresh_s")])
+    if refresh == refresh:
+        table += (f" The engine's numbers in /metrics changed every {refresh * 1e3:,.0f} ms (median, busy engine): "
+                  "the drop latencies above cannot be resolved more finely than that.")
     fig, ax = report.figure(1, 8, 4.2)
     r0 = rounds[0]
     good = [s for s in r0["samples"] if s.get("num_requests_running") is not None]

@@ -27,11 +27,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "serve_config.yaml"))
     p.add_argument("--url-file", default="")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one app arg, e.g. --set engine.report_interval_s=0.1 (value parsed as YAML)")
     a = p.parse_args()
     from tests.serve_harness import start_app, stop_app
 
     cfg = yaml.safe_load(Path(a.config).read_text())
     args = cfg["applications"][0]["args"]
+    for item in a.set:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = args
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = yaml.safe_load(value)
+    print("args:", args, flush=True)
     url, _ = start_app(args)
     print(url, flush=True)
     if a.url_file:
