@@ -1,9 +1,10 @@
 """Preprocess logic without Ray: chat template, tokenisation, length checks, ``max_tokens``, and the
 ``/tokenize`` and ``/detokenize`` answers.
 
-Two tokenizers: the embedded model's (the real chat template, which adds a default system prompt
-and no BOS) and a tiny word-level one written to a temporary directory, whose encoder adds a BOS
-and whose template writes one itself, so a doubled or missing BOS shows.
+Two models: the embedded one (the real chat template, which adds a default system prompt, and no
+BOS), checked against transformers' tokenizer as the reference, and a tiny word-level one written
+to a temporary directory, whose encoder adds a BOS and whose template writes one itself, so a
+doubled or missing BOS shows.
 """
 
 from __future__ import annotations
@@ -61,8 +62,12 @@ def smol_tokenizer():
     return load_tokenizer(EMBEDDED_MODEL)
 
 
-@pytest.fixture(scope="module")
-def smol(smol_tokenizer) -> Preprocessor:
+@pytest.fixture(scope="module", params=["default", "transformers"])
+def smol(request: pytest.FixtureRequest, smol_tokenizer) -> Preprocessor:
+    """The embedded model's Preprocessor, with the tokenizer it loads itself and with transformers'
+    (the reference every expectation here is computed with)."""
+    if request.param == "default":
+        return Preprocessor(EMBEDDED_MODEL)
     return Preprocessor(EMBEDDED_MODEL, tokenizer=smol_tokenizer)
 
 
