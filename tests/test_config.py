@@ -51,10 +51,23 @@ def test_serve_config_binds_loopback():
     assert _serve_config()["http_options"]["host"] == "127.0.0.1"
 
 
-def test_fractional_cpus_fit_two_cores():
+def test_every_replica_autoscaling_may_start_fits_two_cores():
     deployments = _serve_config()["applications"][0]["deployments"]
-    total = sum(d["num_replicas"] * d["ray_actor_options"]["num_cpus"] for d in deployments)
+    most = [d.get("autoscaling_config", {}).get("max_replicas", d.get("num_replicas", 1)) for d in deployments]
+    total = sum(n * d["ray_actor_options"]["num_cpus"] for n, d in zip(most, deployments, strict=True))
     assert total <= 2.0, total
+
+
+def test_engine_scales_with_the_project_policy():
+    engine = next(d for d in _serve_config()["applications"][0]["deployments"] if d["name"] == "Engine")
+    policy = engine["autoscaling_config"]["policy"]
+    from ray.serve.config import AutoscalingConfig
+
+    from stages.autoscaling import EnginePolicy, engine_policy
+
+    config = AutoscalingConfig(**engine["autoscaling_config"])  # Serve accepts it as written
+    assert config.policy.policy_function == "stages.autoscaling:engine_policy" and callable(engine_policy)
+    EnginePolicy(**policy["policy_kwargs"])  # every kwarg is a field of the law
 
 
 def test_typo_in_args_is_rejected():
