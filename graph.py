@@ -18,12 +18,17 @@ from stages.ingress import Ingress
 from stages.preprocess import PreprocessDeployment
 
 
-def build_app(args: dict[str, Any] | None = None, options: dict[str, dict[str, Any]] | None = None) -> Application:
-    """Ingress → (Preprocess, Egress → Engine), all sharing one Directory.
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """Ingress → (Preprocess, Egress → Engine), all sharing one Directory. (Serve calls builders
+    with exactly one argument.)"""
+    return build_app_with_options(args)
 
-    ``options`` maps a deployment name to ``Deployment.options`` overrides, the same keys as a
-    ``deployments`` entry of ``serve_config.yaml`` (which Serve applies itself on ``serve run``).
-    """
+
+def build_app_with_options(args: dict[str, Any] | None = None,
+                           options: dict[str, dict[str, Any]] | None = None) -> Application:
+    """:func:`build_app` with ``options``: deployment name → ``Deployment.options`` overrides, the
+    same keys as a ``deployments`` entry of ``serve_config.yaml`` (which ``serve run`` applies
+    itself); for the tests and benchmarks that start apps in-process."""
     cfg = AppConfig.from_args(args)
     opts = options or {}
 

@@ -51,10 +51,10 @@ def deploy_app(args: dict[str, Any], name: str = "lifecycle", route_prefix: str 
     ``serve_config.yaml``'s ``deployments``); wait until its ``/health`` is 200. Returns its url."""
     from ray import serve
 
-    from graph import build_app
+    from graph import build_app_with_options
 
     base, _ = start_ray()
-    serve.run(build_app(args, options), name=name, route_prefix=route_prefix, blocking=False)
+    serve.run(build_app_with_options(args, options), name=name, route_prefix=route_prefix, blocking=False)
     url = base + route_prefix.rstrip("/")
     deadline = time.monotonic() + timeout_s
     while True:

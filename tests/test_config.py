@@ -11,7 +11,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from graph import build_app
+from graph import build_app, build_app_with_options
 from stages.config import AppConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,8 +101,18 @@ def test_build_app_graph_shape():
 
 
 def test_build_app_applies_per_deployment_options():
-    app = build_app({}, {"Engine": {"num_replicas": 2}, "Egress": {"ray_actor_options": {"num_cpus": 0.1}}})
+    app = build_app_with_options({}, {"Engine": {"num_replicas": 2}, "Egress": {"ray_actor_options": {"num_cpus": 0.1}}})
     built = _deployments(app)
     assert built["Engine"].num_replicas == 2
     assert built["Egress"].ray_actor_options["num_cpus"] == 0.1
     assert built["Preprocess"].num_replicas == 1
+
+
+def test_build_app_has_the_one_parameter_serve_requires():
+    import inspect
+
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    assert len(inspect.signature(build_app).parameters) == 1
+    app = call_user_app_builder_with_args_if_necessary(build_app, {"engine": {"max_num_seqs": 4}})
+    assert app._bound_deployment.name == "Ingress"
