@@ -33,9 +33,12 @@ __all__ = [
 
 
 def unwrap_error(exc: BaseException) -> BaseException:
-    """The original exception behind a Ray task error (Ray wraps what a deployment raised)."""
-    cause = getattr(exc, "cause", None)
-    return cause if isinstance(cause, BaseException) else exc
+    """The original exception behind Ray task errors (Ray wraps what a deployment raised, once per
+    hop it crossed: Engine → Egress → Ingress wraps twice)."""
+    seen = 0
+    while isinstance(getattr(exc, "cause", None), BaseException) and exc.cause is not exc and seen < 16:
+        exc, seen = exc.cause, seen + 1
+    return exc
 
 
 def _restore(cls: type[ServeError], args: tuple[Any, ...], state: dict[str, Any]) -> ServeError:

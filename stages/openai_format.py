@@ -63,7 +63,9 @@ class LogprobFormatter:
             tokens.append(tok)
             offsets.append(text_offset)
             text_offset += len(tok)
-            top.append({self.token(t): v for t, v in lp.top} if lp.top else None)
+            # Without alternatives asked, the entry still names the sampled token (as vLLM does):
+            # the client's Completion model types it as a dict, never null.
+            top.append({self.token(t): v for t, v in lp.top} if lp.top else {tok: lp.logprob})
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "top_logprobs": top,
                 "text_offset": offsets}
 
