@@ -30,6 +30,10 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one app arg, e.g. --set engine.report_interval_s=0.1 (value parsed as YAML)")
     a = p.parse_args()
+    import os
+
+    # Always a private local Ray instance: never join a cluster someone else started on this machine.
+    os.environ["RAY_ADDRESS"] = "local"
     from tests.serve_harness import start_app, stop_app
 
     cfg = yaml.safe_load(Path(a.config).read_text())
