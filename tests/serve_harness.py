@@ -38,7 +38,8 @@ def start_ray(num_cpus: int = 8) -> tuple[str, str]:
     from ray import serve
 
     port = _free_port()
-    ctx = ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+    # address="local": always a fresh cluster of our own, never one `ray start` left on the machine.
+    ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                    runtime_env={"env_vars": dict(SERVE_ENV)})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     _STATE.update(url=f"http://127.0.0.1:{port}", session_dir=ctx.address_info["session_dir"])
