@@ -34,10 +34,35 @@ def shipped() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     return app["args"], options
 
 
-async def measure(url: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
+def stage_cpu_seconds(app: str) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each deployment's replica processes of ``app``
+    (Ray titles them ``ray::ServeReplica:<app>:<deployment>``)."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        title = " ".join(proc.info["cmdline"] or [])
+        prefix = f"ray::ServeReplica:{app}:"
+        if title.startswith(prefix):
+            deployment = title[len(prefix):].split()[0]
+            try:
+                t = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            out[deployment] = out.get(deployment, 0.0) + t.user + t.system
+    return out
+
+
+async def measure(url: str, app: str, concurrency: int, max_tokens: int) -> dict[str, Any]:
     target = await probe(url)
+    before = stage_cpu_seconds(app)
     recs, wall = await run_batch(target, concurrency, concurrency, 64, max_tokens)
-    return summarize(recs, wall)
+    after = stage_cpu_seconds(app)
+    s = summarize(recs, wall)
+    n, tokens = max(1, s["requests"] - s["errors"]), max(1, s["completion_tokens_total"])
+    s["cpu_ms_per_request"] = {d: (after[d] - before.get(d, 0.0)) * 1e3 / n for d in after}
+    s["cpu_ms_per_token"] = {d: (after[d] - before.get(d, 0.0)) * 1e3 / tokens for d in after}
+    return s
 
 
 def main() -> None:
@@ -57,10 +82,11 @@ def main() -> None:
     try:
         for r in range(a.rounds):
             for name in (("one", "two") if r % 2 == 0 else ("two", "one")):
-                s = asyncio.run(measure(urls[name], a.concurrency, a.max_tokens))
+                s = asyncio.run(measure(urls[name], name, a.concurrency, a.max_tokens))
                 runs[name].append(s)
                 print(f"round {r} {name}: {s['output_tok_s']:.1f} tok/s, TTFT p50 {s['ttft_p50_ms']:.0f} ms, "
-                      f"TPOT p50 {s['tpot_p50_ms']:.1f} ms, errors {s['errors']}", flush=True)
+                      f"TPOT p50 {s['tpot_p50_ms']:.1f} ms, errors {s['errors']}; CPU ms/request "
+                      f"{ {d: round(v, 1) for d, v in s['cpu_ms_per_request'].items()} }", flush=True)
     finally:
         stop_app()
     med = {k: {m: statistics.median(x[m] for x in v) for m in ("output_tok_s", "ttft_p50_ms", "tpot_p50_ms")}

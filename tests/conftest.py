@@ -18,11 +18,14 @@ from tests.serve_harness import deploy_app, start_ray, stop_app
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 #: App configuration used by the integration tests: small limits so 413/429/heartbeats are
-#: reachable quickly, tracing on to a real OTLP receiver.
+#: reachable quickly, tracing on to a real OTLP receiver. Float32 weights: many tests compare greedy
+#: texts of requests that were batched differently (streamed vs not, alone vs concurrent, a retry vs
+#: a clean run); float32 gives the same tokens whatever the batch, while the quantised paths
+#: compute in bfloat16, where batch shape can flip a near-tie (their parity tests are separate).
 TEST_ARGS: dict[str, Any] = {
     "model": "embedded:smollm2-135m-instruct",
     "engine": {"max_num_seqs": 8, "max_waiting_requests": 8, "max_num_batched_tokens": 256,
-               "kv_cache_memory_gb": 0.5},
+               "kv_cache_memory_gb": 0.5, "weights": "float32", "report_interval_s": 0.25},
     "http": {"max_body_bytes": 65536, "keepalive_interval_s": 0.5},
     "tracing": {"enabled": True, "sampling_ratio": 1.0},
 }
@@ -32,7 +35,7 @@ TEST_ARGS: dict[str, Any] = {
 REPLICAS_ARGS: dict[str, Any] = {
     "model": "embedded:smollm2-135m-instruct",
     "engine": {"max_num_seqs": 8, "max_waiting_requests": 8, "max_num_batched_tokens": 256,
-               "kv_cache_memory_gb": 0.25, "num_threads": 1, "report_interval_s": 0.5},
+               "kv_cache_memory_gb": 0.25, "num_threads": 1, "report_interval_s": 0.5, "weights": "float32"},
     "http": {"max_body_bytes": 65536, "keepalive_interval_s": 0.5},
 }
 REPLICAS_OPTIONS: dict[str, dict[str, Any]] = {

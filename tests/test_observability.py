@@ -122,7 +122,18 @@ def test_stop_string_abort_is_on_the_trace(serve_app: ServeApp):
 
 
 def _metrics(app: ServeApp) -> str:
-    return httpx.get(app.url + "/metrics", timeout=30).text
+    """A scrape once the engine is idle and its latest report is in (engine series come from
+    reports at most ``engine.report_interval_s`` old)."""
+    settle = 2 * app.args["engine"].get("report_interval_s", 1.0) + 0.1
+    previous = None
+    for _ in range(100):
+        text = httpx.get(app.url + "/metrics", timeout=30).text
+        key = (_value(text, "lifecycle:generation_tokens_total"), _value(text, "lifecycle:num_requests_running"))
+        if key == previous and key[1] == 0:
+            return text
+        previous = key
+        time.sleep(settle)
+    raise AssertionError("engine metrics did not settle")
 
 
 def _value(text: str, name: str, **labels: str) -> float:
