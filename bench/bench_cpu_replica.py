@@ -1,6 +1,6 @@
 """What one CPU-stage replica costs: resident memory (RSS, USS) and time from deploy to first served request.
 
-    .venv/bin/python bench/bench_cpu_replica.py [--rounds 3] [--stages floor,preprocess,egress] [--label after]
+    .venv/bin/python bench/bench_cpu_replica.py [--rounds 3] [--tokenizer] [--stages floor,preprocess,egress,...]
 
 Starts its own Ray session (never touches another one), then per round and per stage deploys a
 one-deployment Serve app holding only that stage (``num_replicas: 1``), times ``serve.run`` → the
@@ -9,8 +9,11 @@ title ``ray::ServeReplica:<unique app>:<deployment>``), and deletes the app. Sta
 
 * ``floor``: a deployment with an empty body: what ray + serve alone cost in a replica;
 * ``preprocess``: the real ``PreprocessDeployment`` (first request: ``tokenize`` of a chat);
-* ``egress``: the real ``EgressDeployment`` bound to a stub engine (first request: ``ping``; its
-  tokenizer is loaded in ``__init__``, so the replica is complete when it answers).
+* ``egress``: the real ``EgressDeployment`` given a handle to a stub engine that runs in an app of
+  its own, started once (first request: ``ping``; its
+  tokenizer is loaded in ``__init__``, so the replica is complete when it answers);
+* ``preprocess-hf``, ``egress-hf``: the same two stages loading transformers' ``AutoTokenizer``, as
+  they did before ``stages/tokenizer.py`` (the "before" column, side by side in one session).
 
 ``--tokenizer`` also loads the tokenizer alone in fresh Python processes (no Ray), transformers'
 ``AutoTokenizer`` next to the CPU stages' :class:`stages.tokenizer.Tokenizer`, alternating.
@@ -54,6 +57,16 @@ class StubEngine:
         return True
 
 
+_STUB: dict[str, Any] = {}
+
+
+def _stub_engine() -> Any:
+    """A handle to a stub engine in its own app, started once: Egress's time to ready is its own."""
+    if "handle" not in _STUB:
+        _STUB["handle"] = serve.run(StubEngine.bind(), name=f"cpurep{os.getpid()}stub", route_prefix=None)
+    return _STUB["handle"]
+
+
 def _replica_pid(app: str, deployment: str, timeout_s: float = 10) -> int:
     import psutil
 
@@ -88,9 +101,43 @@ def _build(stage: str, model: str) -> tuple[Any, str, Any]:
     if stage == "egress":
         from stages.egress import EgressDeployment
 
-        return (EgressDeployment.options(num_replicas=1).bind(StubEngine.bind(), model, None), "Egress",
+        return (EgressDeployment.options(num_replicas=1).bind(_stub_engine(), model, None), "Egress",
                 lambda h: h.ping.remote().result())
+    if stage in ("preprocess-hf", "egress-hf"):
+        return _build_hf(stage, model)
     raise ValueError(stage)
+
+
+def _build_hf(stage: str, model: str) -> tuple[Any, str, Any]:
+    """The same stage with transformers' AutoTokenizer, as every CPU stage loaded it before
+    ``stages/tokenizer.py``: the "before" column, measured side by side in the same Ray session."""
+    from stages.egress import EgressDeployment
+    from stages.preprocess import PreprocessDeployment
+
+    def with_transformers() -> None:
+        import stages.model_info
+        import stages.preprocess
+
+        stages.model_info.load_cpu_tokenizer = stages.model_info.load_tokenizer  # in this replica only
+        stages.preprocess.load_cpu_tokenizer = stages.model_info.load_tokenizer
+
+    if stage == "preprocess-hf":
+        class PreprocessHF(PreprocessDeployment.func_or_class):  # type: ignore[name-defined,misc]
+            def __init__(self, *args: Any) -> None:
+                with_transformers()
+                super().__init__(*args)
+
+        _, _, first = _build("preprocess", model)
+        return (serve.deployment(PreprocessHF, name="PreprocessHF", ray_actor_options={"num_cpus": 0.25})
+                .bind(model, 0, None, None), "PreprocessHF", first)
+
+    class EgressHF(EgressDeployment.func_or_class):  # type: ignore[name-defined,misc]
+        def __init__(self, *args: Any) -> None:
+            with_transformers()
+            super().__init__(*args)
+
+    return (serve.deployment(EgressHF, name="EgressHF", ray_actor_options={"num_cpus": 0.25})
+            .bind(_stub_engine(), model, None), "EgressHF", lambda h: h.ping.remote().result())
 
 
 def one_replica(stage: str, model: str, tag: str) -> dict[str, Any]:
@@ -146,7 +193,7 @@ def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--stages", default="floor,preprocess,egress")
+    p.add_argument("--stages", default="floor,preprocess,egress,preprocess-hf,egress-hf")
     p.add_argument("--model", default=EMBEDDED_MODEL)
     p.add_argument("--tokenizer", action="store_true", help="also load each tokenizer alone, without Ray")
     p.add_argument("--no-serve", action="store_true", help="skip the Serve replicas (with --tokenizer)")
@@ -168,9 +215,16 @@ def main() -> None:
         result["tokenizer_alone_median"] = median_rows(rows, "tokenizer", ["load_s", "rss_mb", "uss_mb"])
         print(table(result["tokenizer_alone_median"], ["tokenizer", "n", "load_s", "rss_mb", "uss_mb"]))
     if not args.no_serve:
-        from tests.serve_harness import start_ray, stop_app
+        import ray
 
-        start_ray(num_cpus=4)
+        from tests.serve_harness import SERVE_ENV
+
+        for key, value in SERVE_ENV.items():
+            os.environ.setdefault(key, value)
+        # address="local": a new session of our own, never a cluster someone else started with `ray start`.
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": dict(SERVE_ENV)})
+        serve.start(http_options={"location": "NoServer"})
         rows = []
         stages = [s for s in args.stages.split(",") if s]
         try:
@@ -179,12 +233,19 @@ def main() -> None:
                     row = one_replica(stage, args.model, f"{stage}{r}")
                     print(row, flush=True)
                     rows.append(row)
+                    result["replicas"] = rows
+                    save(result, args.label)  # a session killed midway (someone's `ray stop`) keeps its rows
         finally:
-            stop_app()
+            serve.shutdown()
+            ray.shutdown()
         result["replicas"] = rows
         result["replica_median"] = median_rows(rows, "stage", ["ready_s", "running_s", "rss_mb", "uss_mb"])
         print(table(result["replica_median"], ["stage", "n", "ready_s", "running_s", "rss_mb", "uss_mb"]))
-    out = ROOT / "bench" / "results" / f"cpu_replica{'-' + args.label if args.label else ''}.json"
+    save(result, args.label)
+
+
+def save(result: dict[str, Any], label: str) -> None:
+    out = ROOT / "bench" / "results" / f"cpu_replica{'-' + label if label else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -113,8 +113,14 @@ def _bpe_dir(path: Path) -> Path:
     config_file = path / "tokenizer_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "add_bos_token": True,
                                        "add_eos_token": True}))
+    # save_pretrained wrote the config-only special tokens into tokenizer.json too; take them out
+    # again so that both loaders have to add them (in the same order, hence with the same ids).
     tokenizer_file = path / "tokenizer.json"
-    tokenizer_file.write_text(json.dumps({**json.loads(tokenizer_file.read_text()), "post_processor": None}))
+    data = json.loads(tokenizer_file.read_text())
+    config_only = {"<|pad|>", "<|turn|>", "<|sys|>"}
+    assert config_only <= {t["content"] for t in data["added_tokens"]}
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in config_only]
+    tokenizer_file.write_text(json.dumps({**data, "post_processor": None}))
     return path
 
 
