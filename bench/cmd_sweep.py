@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from bench import report
-from bench.target import chat_body, exact_prompt, probe, stream_chat
+from bench.target import Target, chat_body, exact_prompt, probe, stream_chat
 
 #: Parameter counts of models we know by served name (lower-case substring → parameters).
 KNOWN_PARAMS = {"smollm2-135m": 134_515_008, "smollm2-360m": 361_821_120, "qwen2.5-0.5b": 494_032_768}
@@ -24,6 +24,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="model parameters for the 2·P·T estimate")
     p.add_argument("--linear-max", type=int, default=1024,
                    help="the straight-line prefill fit uses prompts up to this length (at least the two shortest)")
+    p.add_argument("--from-json", default="",
+                   help="re-analyse and re-plot the points of an earlier sweep.json instead of measuring")
     p.add_argument("--flops-threads", default="",
                    help="comma-separated thread counts to measure FLOP/s with")
 
@@ -85,14 +87,17 @@ def fits(med_rows: list[dict[str, Any]], linear_max: int) -> dict[str, Any]:
     if len(rows) >= 3:
         import numpy as np
 
-        c, b, a_ = np.polyfit([r["prompt_tokens"] for r in rows], [r["ttft_ms"] for r in rows], 2)
-        fit.update({"quad_a_ms": float(a_), "quad_linear_tok_s": 1e3 / float(b) if b > 0 else None,
-                    "quad_c_ms_per_token2": float(c)})
+        x = np.array([r["prompt_tokens"] for r in rows], dtype=float)
+        (b, c), *_ = np.linalg.lstsq(np.c_[x, x * x], np.array([r["ttft_ms"] for r in rows]), rcond=None)
+        fit.update({"quad_b_ms_per_token": float(b), "quad_c_ms_per_token2": float(c),
+                    "quad_linear_tok_s": 1e3 / float(b) if b > 0 else None})
     return fit
 
 
 async def main(a: argparse.Namespace) -> dict[str, Any]:
     run = report.Run("sweep", a, a.out)
+    if a.from_json:
+        return reanalyse(a, run)
     target = await probe(a.url, a.model)
     if not target.has_tokenize:
         target.skip("no /tokenize: prompt lengths are approximate; the plot uses usage.prompt_tokens")
@@ -118,6 +123,28 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                                "error": rec.error})
                 bar.update(1)
     bar.close()
+    return analyse(a, run, target, lengths, params, flops, points)
+
+
+def reanalyse(a: argparse.Namespace, run: report.Run) -> dict[str, Any]:
+    """The analysis, table and plot again from an earlier run's measurements (provenance kept)."""
+    import json
+
+    doc = json.loads(open(a.from_json).read())
+    res = doc["results"]
+    run.machine, run.versions, run.started = doc["machine"], doc["versions"], doc["started"]
+    run.config = {**doc["config"], "reanalysed_by": run.command}
+    run.command = doc["command"]
+    t = doc["servers"][0]
+    target = Target(**{k: t[k] for k in ("url", "model", "max_model_len", "server_version", "has_tokenize",
+                                         "has_metrics", "has_server_timing", "has_server_timing_header")})
+    a.repeats = doc["repeats"]
+    flops = {int(k): v["flops"] for k, v in res["estimate"].items()}
+    return analyse(a, run, target, res["lengths"], res["params"], flops, res["points"], load_end=doc["machine"].get("load_avg_end"))
+
+
+def analyse(a: argparse.Namespace, run: report.Run, target: Target, lengths: list[int], params: float,
+            flops: dict[int, float], points: list[dict[str, Any]], load_end: list[float] | None = None) -> dict[str, Any]:
     ok = [p for p in points if p["error"] is None and p["prompt_tokens"]]
     by_len: dict[int, list[dict[str, Any]]] = {}
     for p in ok:
@@ -143,11 +170,10 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         [f"straight line fitted to server_timing prefill, {lin}", fit.get("prefill_tok_s_from_server")],
     ] + [[f"2 × {params / 1e6:.1f} M params × T / ({e['flops'] / 1e9:.1f} GFLOP/s float32 GEMM, {t} thread(s))",
           e["prefill_tok_s"]] for t, e in estimate.items() if params])
-    if fit.get("quad_linear_tok_s"):
-        table += (f"\n\nOver all lengths TTFT ≈ {fit['quad_a_ms']:,.0f} ms + T / {fit['quad_linear_tok_s']:,.0f} tok/s"
-                  f" + {fit['quad_c_ms_per_token2'] * 1e6:,.0f} ms × (T / 1000)² (least squares, a curve to read "
-                  "the bend by, not a cost model); the T² term (attention over the whole prompt) bends the curve "
-                  "upward at long prompts.")
+    if fit.get("quad_c_ms_per_token2") is not None:
+        table += (f"\n\nOver all lengths, least squares through the origin: TTFT ≈ "
+                  f"{fit['quad_b_ms_per_token']:.2f} ms × T + {fit['quad_c_ms_per_token2'] * 1e6:,.0f} ms × (T / 1000)²; "
+                  "the T² term (attention over the whole prompt) bends the curve upward at long prompts.")
     fig, axes = report.figure(2, 10, 4.2)
     for ax, limit in ((axes[0], None), (axes[1], fit["linear_max_tokens"])):
         sel = [p for p in ok if limit is None or p["prompt_tokens"] <= limit]
@@ -159,9 +185,9 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                        label="server prefill (server_timing)")
         top = max([p["prompt_tokens"] for p in sel], default=0)
         grid = [top * i / 50 for i in range(51)]
-        if limit is None and fit.get("quad_linear_tok_s"):
-            ax.plot(grid, [(fit["quad_a_ms"] + x / fit["quad_linear_tok_s"] * 1e3 + fit["quad_c_ms_per_token2"] * x * x)
-                           / 1e3 for x in grid], "-", color="C2", label="fit a + b·T + c·T²")
+        if limit is None and fit.get("quad_c_ms_per_token2") is not None:
+            ax.plot(grid, [(fit["quad_b_ms_per_token"] * x + fit["quad_c_ms_per_token2"] * x * x) / 1e3 for x in grid],
+                    "-", color="C2", label="fit b·T + c·T²")
         if limit is not None and fit["ttft_ms_per_token"] == fit["ttft_ms_per_token"]:
             ax.plot(grid, [(fit["ttft_intercept_ms"] + fit["ttft_ms_per_token"] * x) / 1e3 for x in grid], "--",
                     color="C2", label=f"line fit: {fit['prefill_tok_s_from_ttft']:,.0f} tok/s")
@@ -178,7 +204,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
     results = {"lengths": lengths, "points": points, "medians": med_rows, "fit": fit, "estimate": estimate,
                "params": params}
     spreads = {f"ttft_ms@{r['prompt_tokens']}": report.spread(r["ttft_per_repeat"]) for r in med_rows}
-    run.write(results, table, fig, a.repeats, spreads, [target])
+    run.write(results, table, fig, a.repeats, spreads, [target], load_end=load_end)
     return results
 
 

@@ -112,9 +112,10 @@ class Run:
         return {ext: self.out / f"{self.name}.{ext}" for ext in ("json", "md", "png")}
 
     def write(self, results: dict[str, Any], table_md: str, fig: Any | None, repeats: int,
-              spreads: dict[str, Any], targets: list[Any], notes: list[str] | None = None) -> dict[str, Path]:
+              spreads: dict[str, Any], targets: list[Any], notes: list[str] | None = None,
+              load_end: list[float] | None = None) -> dict[str, Path]:
         p = self.paths()
-        self.machine["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
+        self.machine["load_avg_end"] = load_end or [round(x, 2) for x in os.getloadavg()]
         doc = {"command": self.command, "subcommand": self.name, "started": self.started,
                "finished": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": self.machine,
                "versions": self.versions, "config": self.config,

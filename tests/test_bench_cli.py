@@ -196,10 +196,11 @@ def test_load(serve_app: Any, tmp_path: Path) -> None:
 
 
 def test_cancel(serve_app: Any, tmp_path: Path) -> None:
-    doc = run_bench(["cancel", "--url", serve_app.url, "--streams", "4", "--drop", "2", "--drop-after", "0.5",
+    doc = run_bench(["cancel", "--url", serve_app.url, "--streams", "4", "--drop", "2", "--drop-after", "1.0",
                      "--observe", "2", "--max-tokens", "400", "--prompt-tokens", "32", "--repeats", "1"], tmp_path)
     r = doc["results"]["rounds"][0]
-    assert r["running_at_drop"] == 4
+    # All four are in the engine (the engine's numbers reach /metrics through periodic reports).
+    assert r["running_at_drop"] == 4, r
     # The dropped requests leave the engine within the observed window, and few tokens go to nobody.
     assert r["running_drop_latency_s"] is not None and r["running_drop_latency_s"] < 2
     assert r["tokens_for_nobody_dropped"] is not None and r["tokens_for_nobody_dropped"] < 2 * 20
