@@ -126,7 +126,8 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         ax.set_xticks(levels, [str(n) for n in levels])
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=8)
-    fig.suptitle(f"{ours.model}: lifecycle-serve vs llama.cpp llama-server, same machine, alternating rounds")
+    peer_desc = f"llama-server -t {a.peer_threads}" if not a.peer_url else "peer"
+    fig.suptitle(f"{ours.model}: lifecycle-serve vs {peer_desc}, same machine, alternating rounds")
     results = {"levels": summary, "waves": waves}
     run.write(results, table, fig, a.repeats, spreads, [ours, peer])
     return results
