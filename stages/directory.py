@@ -196,6 +196,10 @@ class DirectoryDeployment:
         """Live requests known app-wide (tests and the soak check that nothing is left)."""
         return len(self.live.entries)
 
+    async def live_entries(self) -> list[LiveEntry]:
+        """Every live request the directory knows (for operators and tests)."""
+        return list(self.live.entries.values())
+
     async def max_model_len(self) -> int | None:
         """The smallest context length of the engines reporting (what every stage must enforce)."""
         lens = [r.max_model_len for r in self.live.engine_reports() if r.max_model_len]

@@ -251,13 +251,18 @@ class EgressDeployment:
         return True
 
     async def stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
+        summary: StreamSummary | None = None
         with span_from_context(get_tracer(), "egress.stream" if job.stream else "egress.complete",
                                job.engine_request.trace_context,
                                {"lifecycle.request_id": job.engine_request.request_id}) as span:
             async for item in self.egress.stream(job):
                 if isinstance(item, StreamSummary):
                     _annotate(span, item)
+                    summary = item
+                    break  # end the span before the last item: the caller may answer at once
                 yield item
+        if summary is not None:
+            yield summary
 
 
 def _annotate(span: Any, summary: StreamSummary) -> None:

@@ -45,7 +45,8 @@ def _wait_idle(app: Any, timeout: float = 120.0) -> list[Any]:
         if idle and app.call("Directory", "num_live") == 0:
             return reports
         if time.monotonic() > deadline:
-            raise AssertionError(f"not idle after {timeout} s: {[r.stats for r in reports]}")
+            live = app.call("Directory", "live_entries")
+            raise AssertionError(f"not idle after {timeout} s: live {live}; engines {[r.stats for r in reports]}")
         time.sleep(0.25)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -378,3 +379,48 @@ def test_multibyte_characters_split_across_tokens(serve_app: Any, tokenizer: Any
             qualified.append(prompt)
     assert qualified, "no prompt produced a complete character spread over several tokens"
     assert_idle_no_leaks(serve_app)
+
+
+# -- n > 1 with stop strings --------------------------------------------------------------------------------
+def _choice_texts(serve_app: Any, n: int, **extra: Any) -> tuple[int, dict[int, str], dict[int, str], list[str]]:
+    """Run a seeded n-choice completion; returns status, text and finish reason per choice, and the
+    raw SSE data lines when streamed."""
+    body = {"model": MODEL_NAME, "prompt": "Write a list of animals and colours:", "max_tokens": 24, "n": n,
+            "temperature": 1.0, "seed": 7, "ignore_eos": True, **extra}
+    r = httpx.post(serve_app.url + "/v1/completions", json=body, timeout=180)
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    lines: list[str] = []
+    if body.get("stream"):
+        lines = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        for data in lines[:-1]:
+            for c in json.loads(data)["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                if c["finish_reason"]:
+                    assert c["index"] not in finishes, f"choice {c['index']} finished twice"
+                    finishes[c["index"]] = c["finish_reason"]
+    elif r.status_code == 200:
+        for c in r.json()["choices"]:
+            texts[c["index"]], finishes[c["index"]] = c["text"], c["finish_reason"]
+    return r.status_code, texts, finishes, lines
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("stream", [True, False])
+def test_stop_string_in_one_choice_ends_only_that_choice(serve_app: Any, n: int, stream: bool) -> None:
+    status, free, _, _ = _choice_texts(serve_app, n)
+    assert status == 200 and len(free) == n
+    # A word that choice 0 writes (not at its very start) and no other choice writes at all.
+    words = [w for w in re.findall(r"[A-Za-z]{3,}", free[0]) if free[0].find(w) > 0
+             and not any(w in free[i] for i in range(1, n))]
+    if not words:
+        pytest.skip(f"the seeded choices share every word: {free}")
+    stop = words[0]
+    status, texts, finishes, lines = _choice_texts(serve_app, n, stop=[stop], stream=stream)
+    assert status == 200
+    assert finishes[0] == "stop" and texts[0] == free[0][: free[0].find(stop)]
+    for i in range(1, n):  # the others run to their length, unaffected
+        assert finishes[i] == "length" and texts[i] == free[i]
+    if stream:
+        assert lines[-1] == "[DONE]" and set(finishes) == set(range(n))
+    wait_idle(serve_app)
