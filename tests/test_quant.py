@@ -129,3 +129,16 @@ def test_resolve_weights():
         resolve_weights("int3", EMBEDDED_MODEL, "cpu")
     with pytest.raises(ValueError):
         resolve_weights("int4", EMBEDDED_MODEL, "cuda")
+
+
+def test_bf16_lm_head_option():
+    from stages.engine.quant import DenseLinear
+
+    w = torch.randn(40, 64)
+    head = DenseLinear(w)
+    x = torch.randn(3, 64)
+    want = x.bfloat16().float() @ w.bfloat16().float().t()
+    got = head(x)
+    assert got.dtype == torch.float32
+    assert ((got - want).abs() <= want.abs() * 2.0**-8 + 1e-4).all()
+    assert torch.equal(head.reference_weight, w.bfloat16().float())

@@ -148,7 +148,7 @@ def quantized_weights(weights: str, model: str, args: Any, state: dict[str, Any]
     head = None
     if head_fmt != "float":
         w = state.get("lm_head.weight", state["model.embed_tokens.weight"])
-        head = (GroupInt4 if head_fmt == "int4" else ChannelInt8).quantize(w)
+        head = w.bfloat16() if head_fmt == "bf16" else (GroupInt4 if head_fmt == "int4" else ChannelInt8).quantize(w)
     return linears, head
 
 

@@ -39,7 +39,7 @@ class RunnerConfig:
     weights: str = "float32"
     #: The model's name, to find a GGUF's own blocks for ``weights`` int4.
     model: str = ""
-    #: LM head under quantised weights: auto (see :func:`_lm_head_format`) | float | int4 | int8.
+    #: LM head under quantised weights: auto (``loader.LM_HEAD_DEFAULT``) | float | bf16 | int4 | int8.
     lm_head: str = "auto"
     #: Quantised layers use their quantised kernel below this many rows, a dense GEMM at or above.
     dense_min_rows: int = 16

@@ -191,3 +191,19 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.in_features}->{self.out_features}, {self.kind}, dense>={self.dense_min_rows} rows"
 
+
+class DenseLinear(nn.Module):
+    """A bias-free linear layer on bfloat16 weights with float32 in and out (an LM head kept dense
+    but at half the bytes of float32; no requantisation)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight.bfloat16().contiguous())
+        self.out_features, self.in_features = weight.shape
+
+    @property
+    def reference_weight(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)

@@ -270,7 +270,7 @@ class LlamaForCausalLM(nn.Module):
         ``linears`` (quantised weights by Hugging Face name: ``GroupInt4`` or ``ChannelInt8``), fusing
         q/k/v and gate/up as the float layers are fused; ``lm_head`` likewise when given. The
         embedding stays a float table: a step reads only its own tokens' rows."""
-        from stages.engine.quant import QuantLinear
+        from stages.engine.quant import DenseLinear, QuantLinear
 
         def fused(names: list[str], bias: nn.Linear | None = None, residual: bool = False) -> QuantLinear:
             parts = [linears[n] for n in names]
@@ -286,7 +286,9 @@ class LlamaForCausalLM(nn.Module):
             attn.o_proj = fused([p + "self_attn.o_proj.weight"], residual=True)
             layer.mlp.gate_up_proj = fused([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             layer.mlp.down_proj = fused([p + "mlp.down_proj.weight"], residual=True)
-        if lm_head is not None:
+        if isinstance(lm_head, torch.Tensor):  # a bfloat16 table: dense, no requantisation
+            self.lm_head = DenseLinear(lm_head)
+        elif lm_head is not None:
             self.lm_head = QuantLinear(lm_head, None, dense_min_rows)
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
