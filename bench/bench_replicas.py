@@ -31,6 +31,9 @@ from tests.serve_harness import deploy_app, start_ray, stop_app  # noqa: E402
 def shipped() -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     app = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]
     options = {d.pop("name"): d for d in app["deployments"]}
+    for d in options.values():  # fixed replica counts for a fair comparison: no autoscaling here
+        if d.pop("autoscaling_config", None) is not None:
+            d["num_replicas"] = 1
     return app["args"], options
 
 
