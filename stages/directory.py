@@ -145,7 +145,7 @@ class LiveDirectory:
 
 
 @serve.deployment(name="Directory", num_replicas=1, max_ongoing_requests=4096,
-                  ray_actor_options={"num_cpus": 0.05})
+                  ray_actor_options={"num_cpus": 0.05}, graceful_shutdown_timeout_s=1)
 class DirectoryDeployment:
     """One replica: the directory's state must be in one place. Restarts heal (see module doc)."""
 
