@@ -27,7 +27,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # The Makefile's exported environment, plus the image's own paths.
 ENV RAY_USAGE_STATS_ENABLED=0 \
     RAY_SERVE_THROUGHPUT_OPTIMIZED=1 \
-    RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1 \
+    RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=0.2 \
     HF_HUB_OFFLINE=1 \
     TOKENIZERS_PARALLELISM=false \
     PYTHONUNBUFFERED=1 \

@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 # Direct ingress (on under THROUGHPUT_OPTIMIZED) otherwise keeps each Ingress replica draining for
 # 30 s at shutdown, so Ctrl-C / `serve shutdown` took 33 s even when idle.
-export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 1
+export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 0.2
 # Ray 2.60 turns token auth on by default, and then a plain `serve status` / `serve shutdown` in the
 # user's shell is refused. The local server binds to loopback only, so it runs without a token;
 # `RAY_AUTH_MODE=token make serve` keeps it (then use `RAY_AUTH_MODE=token serve status`).

@@ -43,6 +43,7 @@ def plot(data: dict, path: Path) -> None:
     ax.set_xlabel("time (s)")
     ax.set_ylabel("replicas")
     ax.set_ylim(0, max(max(s.get("Egress", 0), s.get("Preprocess", 0)) for s in samples) + 1)
+    ax.yaxis.get_major_locator().set_params(integer=True)
     load = data["load"] + [(t[-1], data["load"][-1][1])]
     ax2 = ax.twinx()
     ax2.step([x for x, _ in load], [c for _, c in load], color="grey", alpha=0.5, where="post",
