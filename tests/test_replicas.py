@@ -174,13 +174,14 @@ def test_cancel_by_client_label_cancels_every_request_carrying_it(app: Any) -> N
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(_chat, app.url, headers={"X-Request-Id": label}, timeout=180, max_tokens=400,
                                ignore_eos=True) for _ in range(2)]
+        # Cancel once both are live (each registers when its Ingress replica syncs): a label
+        # cancels every live request carrying it at that moment.
         deadline = time.monotonic() + 60
-        while True:
-            answer = httpx.post(f"{app.url}/v1/requests/{label}/cancel", timeout=30)
-            if answer.status_code == 200 and len(answer.json()["cancelled"]) == 2:
-                break
-            assert time.monotonic() < deadline, answer.text
-            time.sleep(0.2)
+        while sum(e.client_request_id == label for e in app.call("Directory", "live_entries")) < 2:
+            assert time.monotonic() < deadline, "the two labelled requests never both went live"
+            time.sleep(0.1)
+        answer = httpx.post(f"{app.url}/v1/requests/{label}/cancel", timeout=30)
+        assert answer.status_code == 200 and len(answer.json()["cancelled"]) == 2, answer.text
         results = [f.result(timeout=120) for f in futures]
     for r in results:  # a cancelled non-streamed request answers with what it has, finish "abort"
         assert r.status_code == 200
