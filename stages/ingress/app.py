@@ -41,6 +41,7 @@ from stages.errors import (
 from stages.ingress.errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
 from stages.ingress.sse import first_item, relay, sse_response
+from stages.ingress.views import PROBE_TIMEOUT_S, app_metrics, health_problems, report_metrics_forever
 from stages.metrics import IngressMetrics, RequestRecord, render_app
 from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
 from stages.openai_format import TIMING_FIELD, server_timing_header
@@ -64,10 +65,6 @@ VERSION = "0.2.0"
 #: Response header carrying the server-minted request id (the response ``id`` holds it too).
 SERVER_ID_HEADER = "X-Server-Request-Id"
 MAX_REQUEST_ID_LEN = 128
-#: Seconds between this replica's metrics reports to the directory.
-METRICS_REPORT_S = 2.0
-#: Seconds a health or metrics probe of another stage may take.
-PROBE_TIMEOUT_S = 5.0
 
 
 def validate_request_id(value: str | None) -> str | None:
@@ -120,7 +117,8 @@ class Ingress:
         self._background = []
         if directory is not None:
             self._background = [asyncio.create_task(self.lifecycle.watch_forever()),
-                                asyncio.create_task(self._report_metrics_forever())]
+                                asyncio.create_task(report_metrics_forever(directory, self.replica,
+                                                                           self.metrics.exposition))]
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [
@@ -324,56 +322,14 @@ class Ingress:
     async def health(self, request: Request) -> Response:
         """200 only when every stage has a live replica and every engine's step loop is making
         progress (each engine reports to the directory; a silent one has died)."""
-        problems = await self._health_problems()
+        problems = await health_problems(self.preprocess, self.egress, self.engine, self.directory)
         if problems:
             return error_response(EngineUnavailableError("; ".join(problems)))
         return JSONResponse({"status": "ok", "replica": self.replica})
 
-    async def _health_problems(self) -> list[str]:
-        async def probe(name: str, call: Any) -> tuple[str, Any, BaseException | None]:
-            try:
-                return name, await asyncio.wait_for(call, PROBE_TIMEOUT_S), None
-            except Exception as exc:  # noqa: BLE001 - any failure means not healthy
-                return name, None, exc
-
-        calls = [probe("Preprocess", self.preprocess.ping.remote()), probe("Egress", self.egress.ping.remote())]
-        if self.directory is not None:
-            calls.append(probe("Directory", self.directory.engines.remote()))
-        else:
-            calls.append(probe("Engine", self.engine.info.remote()))
-        problems = []
-        for name, result, exc in await asyncio.gather(*calls):
-            if exc is not None:
-                problems.append(f"{name} is not answering ({type(exc).__name__})")
-            elif name == "Directory":
-                if not result:
-                    problems.append("no engine replica is reporting")
-                problems += [f"engine {r.replica} is not making progress" for r in result if not r.healthy]
-            elif name == "Engine" and not result.get("alive", False):
-                problems.append("the engine step loop is not running")
-        return problems
-
-    async def _report_metrics_forever(self) -> None:
-        while True:
-            await asyncio.sleep(METRICS_REPORT_S)
-            try:
-                await self.directory.report_ingress.remote(self.replica, self.metrics.exposition())
-            except Exception as exc:  # noqa: BLE001 - the directory restarts; keep reporting
-                logger.warning("metrics report to the directory failed: %r", exc)
-
     async def metrics_endpoint(self, request: Request) -> Response:
-        ingress_texts, engines = {self.replica: self.metrics.exposition()}, []
-        if self.directory is not None:
-            try:
-                # Report first: the directory's copy only moves forward, so whichever replica
-                # answers the next scrape, no counter goes backwards.
-                await asyncio.wait_for(self.directory.report_ingress.remote(self.replica, ingress_texts[self.replica]),
-                                       PROBE_TIMEOUT_S)
-                ingress_texts, engines = await asyncio.wait_for(self.directory.metrics_snapshot.remote(),
-                                                                PROBE_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - still serve this replica's own metrics
-                logger.warning("directory unavailable for /metrics: %r", exc)
-        body, content_type = render_app(self.served_name, ingress_texts, engines)
+        texts, engines = await app_metrics(self.directory, self.replica, self.metrics.exposition())
+        body, content_type = render_app(self.served_name, texts, engines)
         return PlainTextResponse(body, media_type=content_type)
 
     # -- other routes ---------------------------------------------------------------------------------
