@@ -6,6 +6,7 @@ and after the last token."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Iterable
 from typing import Any
 
@@ -187,6 +188,8 @@ class FakeDirectory:
 
         async def sync(owner: str, added: list[Any], removed: list[str], full: bool) -> None:
             outer.calls.append(([e.request_id for e in added], list(removed), full))
+            if full:  # replaces everything this owner had
+                outer.entries = {k: e for k, e in outer.entries.items() if e.owner != owner}
             for e in added:
                 outer.entries[e.request_id] = e
             for rid in removed:
@@ -221,6 +224,84 @@ def test_close_is_exactly_once_and_directory_sync_is_batched_and_ordered():
     assert len(flat_added) == 6  # the request opened and closed within one batch was never sent
     assert len(directory.calls) <= 4  # batched: far fewer calls than opens + closes
     assert len(closes) == 7 == len(set(closes))
+
+
+class ServeLikeDirectory(FakeDirectory):
+    """Like Serve for an Ingress replica: a handle call made in the context of a request is that
+    request's child, and cancelling the request cancels its in-flight children."""
+
+    request: contextvars.ContextVar[str | None] = contextvars.ContextVar("serve_request", default=None)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.children: dict[str, list[asyncio.Future[None]]] = {}
+        plain_sync = self.sync.remote
+
+        async def sync(*args: Any) -> None:
+            parent = self.request.get()
+            gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if parent is not None:
+                self.children.setdefault(parent, []).append(gate)
+            asyncio.get_running_loop().call_later(0.02, lambda: gate.done() or gate.set_result(None))
+            await gate  # the RPC in flight
+            await plain_sync(*args)
+
+        self.sync.remote = sync
+
+    def cancel_request(self, parent: str) -> int:
+        gates = [g for g in self.children.pop(parent, []) if not g.done()]
+        for gate in gates:
+            gate.cancel()
+        return len(gates)
+
+
+def test_a_request_cancelled_by_serve_still_leaves_the_directory():
+    """The CI leak: a client left, Serve cancelled that Ingress request and with it every handle
+    call made in its context, including the directory sync that its own close had started."""
+
+    async def main() -> tuple[ServeLikeDirectory, int]:
+        directory = ServeLikeDirectory()
+        lc = Lifecycle("a", directory=directory)
+        live = lc.open("chat", FakeSpan())
+        await asyncio.sleep(0.05)  # registered
+
+        async def request_handler() -> None:  # runs in the request's context, then is cancelled
+            ServeLikeDirectory.request.set("req-1")
+            lc.close(live, "client_gone")
+            await asyncio.sleep(0)
+
+        await asyncio.create_task(request_handler())
+        cancelled = directory.cancel_request("req-1")  # what Serve does once the request is cancelled
+        await asyncio.sleep(0.1)
+        return directory, cancelled
+
+    directory, cancelled = asyncio.run(main())
+    assert cancelled == 0  # the sync was not the request's child
+    assert directory.entries == {}
+
+
+def test_a_sync_cancelled_under_the_flusher_is_resent_as_a_full_sync():
+    async def main() -> FakeDirectory:
+        directory = FakeDirectory()
+        plain_sync, calls = directory.sync.remote, [0]
+
+        async def flaky(*args: Any) -> None:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise asyncio.CancelledError  # the callee was cancelled, not the flusher
+            await plain_sync(*args)
+
+        directory.sync.remote = flaky
+        lc = Lifecycle("a", directory=directory)
+        live = lc.open("chat", FakeSpan())
+        await asyncio.sleep(0.01)
+        lc.close(live, "ok")
+        await asyncio.sleep(0.01)
+        return directory
+
+    directory = asyncio.run(main())
+    assert directory.entries == {}
+    assert directory.calls[-1] == ([], [], True)  # the lost batch was healed by a full resync
 
 
 def test_cancel_before_the_engine_has_it_is_applied_when_it_starts():

@@ -19,10 +19,11 @@ finishes with ``finish_reason="abort"`` and the client still gets what was gener
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,11 @@ logger = logging.getLogger("lifecycle.ingress")
 def mint_request_id() -> str:
     """A fresh server request id: 128 random bits, hex (no ``-``, so choice ids stay unambiguous)."""
     return uuid.uuid4().hex
+
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def response_id(kind: str, request_id: str) -> str:
@@ -90,7 +96,7 @@ class LiveRequest:
 
 
 #: Sends an abort to the engine replica it names.
-AbortFn = Callable[[AbortRequest], Awaitable[None]]
+AbortFn = Callable[[AbortRequest], Coroutine[Any, Any, None]]
 #: Called once per request from :meth:`Lifecycle.close`: (request, summary or None, timings or None).
 CloseHook = Callable[[LiveRequest, Any, "dict[str, float] | None"], None]
 
@@ -207,6 +213,12 @@ class Lifecycle:
                 self._added, self._removed = {}, []
                 try:
                     await self.directory.sync.remote(self.owner, added, removed, full)
+                except asyncio.CancelledError:
+                    if _being_cancelled():
+                        raise  # this replica is shutting down
+                    # The call was cancelled under us, not this task: the batch may be lost.
+                    logger.warning("directory sync was cancelled; will resync")
+                    self._resync = True
                 except Exception as exc:  # noqa: BLE001 - the directory restarts; resend everything
                     logger.warning("directory sync failed (%r); will resync", exc)
                     self._resync = True
@@ -232,8 +244,12 @@ class Lifecycle:
             for rid in reply.cancel_ids:
                 self.cancel_local(rid)
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
-        task = asyncio.ensure_future(coro)
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        # A fresh, empty context: a task inherits its creator's context vars, and Serve cancels
+        # every handle call made in the context of an Ingress request that gets cancelled (the
+        # client left). A directory sync or an engine abort spawned while closing that request
+        # must outlive it; in the request's context, Serve cancelled it and the batch was lost.
+        task = asyncio.get_running_loop().create_task(coro, context=contextvars.Context())
         self._tasks.add(task)  # keep a reference until done (the loop holds only weak ones)
         task.add_done_callback(self._done)
 

@@ -85,13 +85,15 @@ class ClosingStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                try:
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
                     await aclose()  # runs the body's own finally now, not whenever it is collected
-                except Exception:  # noqa: BLE001 - cleanup below must still run
-                    logger.debug("closing the SSE body failed", exc_info=True)
-            self._on_close()
+            except BaseException:  # noqa: BLE001 - even a second cancel must not skip on_close
+                logger.debug("closing the SSE body failed", exc_info=True)
+                raise
+            finally:
+                self._on_close()
 
 
 def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lifecycle,
