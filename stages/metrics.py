@@ -6,9 +6,10 @@ engine's gauges and counters live in each engine replica. Every replica (Ingress
 reports its series to the app's Directory; ``/metrics`` renders all of them with a ``replica``
 label (:func:`render_app`), so any Ingress replica answers for the whole app.
 
-TTFT is decomposed into the parts the server can measure: ``prep`` (parse + template + tokenise,
-and the hop to Preprocess), ``queue`` and ``prefill`` (engine clock), and ``first_flush`` (the rest:
-hops back through Egress, detokenise, SSE write).
+TTFT is decomposed into the parts the server measures (see ``LiveRequest.ttft_parts``): ``prep``
+(parse + template + tokenise, and the hop to Preprocess), ``hops`` (Ingress→Egress→Engine and the
+first token's way back), ``queue`` and ``prefill`` (engine clock), and ``first_flush`` (framing and
+the ASGI send). A non-streamed request has no first flush; there ``first_flush`` is the remainder.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class IngressMetrics:
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token, server side.", _LATENCY_BUCKETS)
         self.ttft_part = hist("time_to_first_token_part_seconds",
-                              "TTFT decomposed: prep, queue, prefill, first_flush.", _LATENCY_BUCKETS, ["part"])
+                              "TTFT decomposed: prep, hops, queue, prefill, first_flush.", _LATENCY_BUCKETS, ["part"])
         self.itl = hist("inter_token_latency_seconds", "Gap between streamed tokens.", _ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency, server side.",
                         _LATENCY_BUCKETS)
@@ -84,10 +85,13 @@ class IngressMetrics:
         m = self.model_name
         t = {k: v / 1000.0 for k, v in rec.timings_ms.items()}
         if rec.ttft_s is not None or not rec.stream:
-            ttft = rec.ttft_s if rec.ttft_s is not None else t["prep"] + t["queue"] + t["prefill"]
+            ttft = t.get("ttft", rec.ttft_s if rec.ttft_s is not None else t["prep"] + t["queue"] + t["prefill"])
             self.ttft.labels(m).observe(ttft)
             parts = {"prep": t["prep"], "queue": t["queue"], "prefill": t["prefill"]}
-            parts["first_flush"] = max(ttft - sum(parts.values()), 0.0)
+            if "hops" in t and "first_flush" in t:  # measured, streamed
+                parts.update(hops=t["hops"], first_flush=t["first_flush"])
+            else:
+                parts["first_flush"] = max(ttft - sum(parts.values()), 0.0)
             for name, value in parts.items():
                 self.ttft_part.labels(m, name).observe(value)
         for gap in rec.itls_s:

@@ -93,6 +93,17 @@ def test_streamed_request_observes_ttft_and_its_parts() -> None:
     assert value(s, bucket, model_name=MODEL, part="prep", le="0.08") == 0
 
 
+
+def test_measured_hops_and_first_flush_are_the_parts_when_the_request_streamed() -> None:
+    m = IngressMetrics(MODEL)
+    timings = {**TIMINGS_MS, "hops": 12.0, "first_flush": 3.0, "ttft": 315.0}
+    m.observe_request(RequestRecord(kind="chat", prompt_tokens=3, completion_tokens=2, finish_reasons=["stop"],
+                                    timings_ms=timings, ttft_s=0.312, itls_s=[], stream=True))
+    s = own(m)
+    assert value(s, P + "time_to_first_token_seconds_sum", model_name=MODEL) == pytest.approx(0.315)
+    parts = {dict(lab)["part"]: v for lab, v in select(s, P + "time_to_first_token_part_seconds_sum").items()}
+    assert parts == pytest.approx({"prep": 0.1, "hops": 0.012, "queue": 0.05, "prefill": 0.15, "first_flush": 0.003})
+
 def test_request_histograms_and_success_counter() -> None:
     m = IngressMetrics(MODEL)
     m.observe_request(record(0.5, reasons=("stop", "length"), prompt=12, completion=7, itls=(0.01, 0.02, 0.03)))

@@ -217,6 +217,7 @@ class Ingress:
                                 echo=getattr(req, "echo", False))
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
+            live.dispatched_at = time.perf_counter()
             gen = self.egress_stream.stream.remote(job)
             deadline = self._deadline(live)
             start = await asyncio.wait_for(first_item(gen), deadline - time.perf_counter() if deadline else None)
@@ -259,8 +260,17 @@ class Ingress:
     # -- accounting (once per request, from Lifecycle.close) -----------------------------------------
     def _timings(self, live: LiveRequest, summary: StreamSummary) -> dict[str, float]:
         eng = summary.engine_timings
-        return {"prep": _ms(live.prep), "queue": _ms(eng.get("queue")), "prefill": _ms(eng.get("prefill")),
-                "decode": _ms(eng.get("decode")), "egress": _ms(summary.egress_busy), "total": _ms(live.elapsed())}
+        parts = live.ttft_parts(eng)
+        out = {"prep": _ms(parts["prep"])}
+        if "hops" in parts:
+            out["hops"] = _ms(parts["hops"])
+        out.update(queue=_ms(eng.get("queue")), prefill=_ms(eng.get("prefill")))
+        if "first_flush" in parts:
+            out["first_flush"] = _ms(parts["first_flush"])
+        if live.ttft is not None and live.first_flush is not None:
+            out["ttft"] = _ms(live.ttft + live.first_flush)
+        out.update(decode=_ms(eng.get("decode")), egress=_ms(summary.egress_busy), total=_ms(live.elapsed()))
+        return out
 
     def _on_close(self, live: LiveRequest, summary: StreamSummary | None, timings: dict[str, float] | None) -> None:
         span = live.span

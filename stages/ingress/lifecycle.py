@@ -60,6 +60,12 @@ class LiveRequest:
     #: Seconds from arrival until Preprocess returned (parse + template + tokenise + the hop).
     prep: float = 0.0
     ttft: float | None = None
+    #: When the Egress call went out, and when the first token's frame came back (this process's
+    #: ``perf_counter``): their difference minus the engine's own queue + prefill is the hops' time.
+    dispatched_at: float | None = None
+    first_frame_at: float | None = None
+    #: Seconds from the first token's frame arriving to its ASGI send returning.
+    first_flush: float | None = None
     last_token_at: float | None = None
     itls: list[float] = field(default_factory=list)
     outcome: str = "ok"
@@ -86,10 +92,30 @@ class LiveRequest:
         now = time.perf_counter()
         if self.ttft is None:
             self.ttft = now - self.t0
+            self.first_frame_at = now
         elif self.last_token_at is not None:
             # Coalesced events carry several tokens: spread the gap over them.
             self.itls.extend([(now - self.last_token_at) / num_tokens] * num_tokens)
         self.last_token_at = now
+
+    def mark_flushed(self) -> None:
+        """The frame counted by the first :meth:`mark_tokens` has been handed to the server."""
+        if self.first_flush is None and self.first_frame_at is not None:
+            self.first_flush = time.perf_counter() - self.first_frame_at
+
+    def ttft_parts(self, engine_timings: dict[str, float]) -> dict[str, float]:
+        """TTFT as this server saw it, in seconds, split into parts that add up to it: ``prep``
+        (parse, template, tokenise and that hop), ``hops`` (Ingress→Egress→Engine and the first
+        token's way back, with Egress's work on it), ``queue`` and ``prefill`` (the engine's own
+        clocks) and ``first_flush`` (framing and handing it to the HTTP server). Each duration is
+        taken in one process; only durations cross processes."""
+        parts = {"prep": self.prep}
+        engine_part = engine_timings.get("queue", 0.0) + engine_timings.get("prefill", 0.0)
+        if self.dispatched_at is not None and self.first_frame_at is not None:
+            parts["hops"] = max(self.first_frame_at - self.dispatched_at - engine_part, 0.0)
+        if self.first_flush is not None:
+            parts["first_flush"] = self.first_flush
+        return parts
 
     def entry(self, owner: str) -> LiveEntry:
         return LiveEntry(self.request_id, self.response_id, owner, self.client_request_id, self.api_key_id)

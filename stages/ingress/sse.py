@@ -115,6 +115,7 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
                     events += 1
                     live.mark_tokens(item.num_tokens)
                     yield item.data
+                    live.mark_flushed()  # resumed: Starlette's send of that frame returned
                 else:
                     parts = timings(live, item)
                     usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
