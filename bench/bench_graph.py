@@ -41,13 +41,14 @@ async def inproc_one(engine: Any, rid: str, ids: list[int], max_tokens: int) -> 
     t0 = time.perf_counter()
     ttft, times, n = None, [], 0
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    async for out in engine.generate(EngineRequest(rid, ids, params)):
-        if out.new_token_ids:
-            now = time.perf_counter()
-            ttft = ttft if ttft is not None else now - t0
-            # A coalesced item carries several tokens: spread its gap evenly over them.
-            times.extend([now] * len(out.new_token_ids))
-            n += len(out.new_token_ids)
+    async for outs in engine.generate(EngineRequest(rid, ids, params)):
+        for out in outs:  # one item: every choice's output since the last one (here one choice)
+            if out.new_token_ids:
+                now = time.perf_counter()
+                ttft = ttft if ttft is not None else now - t0
+                # A coalesced item carries several tokens: spread its gap evenly over them.
+                times.extend([now] * len(out.new_token_ids))
+                n += len(out.new_token_ids)
     return {"ttft": ttft, "e2e": time.perf_counter() - t0, "times": times, "n": n}
 
 
