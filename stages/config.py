@@ -20,7 +20,7 @@ class _Strict(BaseModel):
 
 
 #: Engine settings the Ray replica uses itself; the engine core never sees them.
-_REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s"}
+_REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s", "fault_injection"}
 
 
 class EngineSettings(_Strict):
@@ -45,6 +45,8 @@ class EngineSettings(_Strict):
     stall_timeout_s: float = Field(60.0, gt=0)
     #: Seconds between the replica's reports to the Directory (app-wide /health and /metrics).
     report_interval_s: float = Field(1.0, gt=0)
+    #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.faults`). Off.
+    fault_injection: bool = False
 
     def to_engine_config(self, model: str) -> EngineConfig:
         from stages.engine.engine import EngineConfig
@@ -66,6 +68,11 @@ class HttpSettings(_Strict):
     keepalive_interval_s: float = Field(5.0, gt=0)
     #: Abort a request that runs longer than this (0: no limit).
     request_timeout_s: float = Field(0.0, ge=0)
+    #: Per stream: bytes produced but not yet taken by the client's connection. Past it the request
+    #: is aborted with a ``slow_reader`` error event (see README "Slow readers").
+    max_stream_buffer_bytes: int = Field(1024 * 1024, ge=1024)
+    #: After that abort, seconds the error event may wait for the client before the connection closes.
+    slow_reader_grace_s: float = Field(10.0, gt=0)
     #: Log prompts in the per-request log line (off by default), cut to ``max_log_len`` chars.
     log_prompts: bool = False
     max_log_len: int = Field(200, ge=0)

@@ -33,6 +33,11 @@ from ray import serve
 
 from stages.protocol import EngineReport, LiveEntry, WatchReply
 
+#: An engine replica that missed this many of its reports in a row counts as gone ...
+MISSED_REPORTS = 4
+#: ... but never sooner than this many seconds (a busy 2-core machine delays reports).
+MIN_REPORT_TTL_S = 2.0
+
 
 @dataclass
 class _Owner:
@@ -92,9 +97,16 @@ class LiveDirectory:
             self.ingress_metrics.pop(owner, None)
             for rid in [rid for rid, e in self.entries.items() if e.owner == owner]:
                 self._remove(rid)
-        for replica in [r for r, (_, at) in self._reports.items() if now - at > self.report_ttl_s]:
+        for replica in [r for r, (report, at) in self._reports.items() if now - at > self._report_ttl(report)]:
             del self._reports[replica]
         return dead
+
+    def _report_ttl(self, report: EngineReport) -> float:
+        """How long a report counts: a replica that missed ``MISSED_REPORTS`` of its own reports
+        is gone (killed, or its event loop is stuck), so ``/health`` says 503 within seconds."""
+        if report.report_interval_s <= 0:
+            return self.report_ttl_s
+        return min(self.report_ttl_s, max(MISSED_REPORTS * report.report_interval_s, MIN_REPORT_TTL_S))
 
     def _add(self, entry: LiveEntry) -> None:
         self.entries[entry.request_id] = entry

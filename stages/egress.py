@@ -34,6 +34,7 @@ from ray import serve
 from stages.detokenizer import IncrementalDetokenizer
 from stages.engine.errors import EngineOverloadedError
 from stages.errors import unwrap_error
+from stages.liveness import ConsumerWatch, own_actor_name
 from stages.openai_format import LogprobFormatter, full_response, sse_event, stream_chunk, usage
 from stages.protocol import (
     AbortRequest,
@@ -234,14 +235,28 @@ class EgressDeployment:
         self.engine = engine  # DeploymentHandle of the engine, created once and reused
         self._stream_handle = engine.options(stream=True)
         self.egress = Egress(load_cpu_tokenizer(model), self._open, self._abort)
+        #: This replica's actor name: the engine aborts our streams if we die (stages.liveness).
+        self.name = own_actor_name()
+        #: Open engine calls by request id; a stream whose Ingress replica died is ended by closing it.
+        self._engine_calls: dict[str, Any] = {}
+        self.consumers = ConsumerWatch(self._end_stream)
 
     def _open(self, req: Any) -> EngineStream:
-        gen = self._stream_handle.generate.remote(req)
+        gen = self._stream_handle.generate.remote(dataclasses.replace(req, consumer=self.name))
+        self._engine_calls[req.request_id] = gen
 
         async def close() -> None:
             gen.cancel()  # cancellation reaches the engine replica's generator → abort by request id
+            if self._engine_calls.get(req.request_id) is gen:
+                del self._engine_calls[req.request_id]
 
         return EngineStream(gen, close)
+
+    def _end_stream(self, request_id: str) -> None:
+        """The Ingress replica reading this stream died: close the engine call (aborts there)."""
+        gen = self._engine_calls.pop(request_id, None)
+        if gen is not None:
+            gen.cancel()
 
     async def _abort(self, req: AbortRequest) -> None:
         await self.engine.abort.remote(req)
@@ -252,17 +267,22 @@ class EgressDeployment:
 
     async def stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
         summary: StreamSummary | None = None
-        with span_from_context(get_tracer(), "egress.stream" if job.stream else "egress.complete",
-                               job.engine_request.trace_context,
-                               {"lifecycle.request_id": job.engine_request.request_id}) as span:
-            async for item in self.egress.stream(job):
-                if isinstance(item, StreamSummary):
-                    _annotate(span, item)
-                    summary = item
-                    break  # end the span before the last item: the caller may answer at once
-                yield item
-        if summary is not None:
-            yield summary
+        request_id = job.engine_request.request_id
+        self.consumers.add(job.consumer, request_id)
+        try:
+            with span_from_context(get_tracer(), "egress.stream" if job.stream else "egress.complete",
+                                   job.engine_request.trace_context,
+                                   {"lifecycle.request_id": request_id}) as span:
+                async for item in self.egress.stream(job):
+                    if isinstance(item, StreamSummary):
+                        _annotate(span, item)
+                        summary = item
+                        break  # end the span before the last item: the caller may answer at once
+                    yield item
+            if summary is not None:
+                yield summary
+        finally:
+            self.consumers.discard(job.consumer, request_id)
 
 
 def _annotate(span: Any, summary: StreamSummary) -> None:

@@ -29,6 +29,7 @@ __all__ = [
     "RequestTimeoutError",
     "InternalServerError",
     "RequestCancelledError",
+    "SlowReaderError",
 ]
 
 
@@ -220,3 +221,20 @@ class RequestCancelledError(ServeError):
     status_code = 499
     error_type = "request_cancelled"
     default_message = "The client closed the request."
+
+
+class SlowReaderError(ServeError):
+    """The client stopped reading a stream: more than ``http.max_stream_buffer_bytes`` of it was
+    waiting for the client, so the request was aborted (its engine work cancelled, its blocks
+    freed). Only ever sent in-band, as the stream's last event before ``[DONE]`` (the 200 is out);
+    the 408 is what the request log and metrics record."""
+
+    status_code = 408
+    error_type = "slow_reader"
+    default_code = "stream_buffer_exceeded"
+
+    def __init__(self, buffered_bytes: int, limit_bytes: int) -> None:
+        super().__init__(f"The client read the stream too slowly: {buffered_bytes} bytes were waiting for it "
+                         f"(limit {limit_bytes}), so the request was aborted.")
+        self.buffered_bytes = buffered_bytes
+        self.limit_bytes = limit_bytes

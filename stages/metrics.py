@@ -80,6 +80,9 @@ class IngressMetrics:
                               labels + ["status"], registry=reg)
         self.aborts = Counter(PREFIX + "request_aborted_total", "Requests aborted before completing, by why.",
                               labels + ["reason"], registry=reg)
+        self.slow_readers = Counter(PREFIX + "slow_reader_aborts_total",
+                                    "Streams aborted because the client stopped reading (stream buffer full).",
+                                    labels, registry=reg)
 
     def observe_request(self, rec: RequestRecord) -> None:
         m = self.model_name
@@ -109,6 +112,9 @@ class IngressMetrics:
 
     def observe_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()
+
+    def observe_slow_reader(self) -> None:
+        self.slow_readers.labels(self.model_name).inc()
 
     def observe_abort(self, reason: str) -> None:
         self.aborts.labels(self.model_name, reason).inc()

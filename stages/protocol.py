@@ -88,6 +88,9 @@ class EngineRequest:
     upstream_timings: dict[str, float] = field(default_factory=dict)
     #: Engine replicas that already refused this request with a full queue: the router skips them.
     avoid_replicas: list[str] = field(default_factory=list)
+    #: Ray actor name of the replica reading the engine stream (Egress): the engine aborts the
+    #: request if that replica dies (:mod:`stages.liveness`).
+    consumer: str = ""
 
     def choice_ids(self) -> list[str]:
         """The engine request id of every choice, in choice order."""
@@ -178,6 +181,8 @@ class GenerationJob:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    #: Ray actor name of the Ingress replica reading the Egress stream (:mod:`stages.liveness`).
+    consumer: str = ""
 
 
 # -- Egress → Ingress -------------------------------------------------------------------------------
@@ -260,3 +265,6 @@ class EngineReport:
     healthy: bool
     #: :meth:`stages.engine.async_engine.AsyncEngine.snapshot`: gauges and monotonic counters.
     stats: dict[str, Any] = field(default_factory=dict)
+    #: Seconds between this replica's reports: the directory counts one that missed a few as gone
+    #: (0: the directory's own ``report_ttl_s`` applies).
+    report_interval_s: float = 0.0

@@ -30,6 +30,7 @@ from typing import Any
 
 from stages.engine.engine import EngineStats, LLMEngine
 from stages.engine.errors import DuplicateRequestIdError, EngineDeadError, EngineError, EngineOverloadedError
+from stages.engine.faults import StepFaults
 from stages.protocol import EngineOutput, EngineRequest, TokenLogprob
 
 logger = logging.getLogger(__name__)
@@ -135,8 +136,10 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 256, step_hook: StepHook | None = None,
-                 replica: str = "", stall_timeout_s: float = 60.0) -> None:
+                 replica: str = "", stall_timeout_s: float = 60.0, faults: StepFaults | None = None) -> None:
         self.engine = engine
+        #: Test-only fault hook (:mod:`stages.engine.faults`); off unless enabled.
+        self.faults = faults or StepFaults()
         self.max_waiting = max_waiting
         self.step_hook = step_hook
         self.replica = replica
@@ -172,6 +175,7 @@ class AsyncEngine:
         """Stop the step thread (pending requests are aborted)."""
         self._stop = True
         self._wake.set()
+        self.faults.release()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
@@ -350,6 +354,7 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 self._step_started = t0 = time.monotonic()
+                self.faults.before_step()
                 outputs = engine.step()
                 self._step_started, now = None, time.monotonic()
                 self._stats = engine.stats()

@@ -29,6 +29,8 @@ from stages.config import EngineSettings
 from stages.engine.async_engine import AsyncEngine
 from stages.engine.engine import LLMEngine
 from stages.engine.errors import EngineDeadError
+from stages.engine.faults import StepFaults
+from stages.liveness import ConsumerWatch
 from stages.protocol import AbortRequest, EngineOutput, EngineReport, EngineRequest
 
 logger = logging.getLogger("lifecycle.engine")
@@ -62,7 +64,10 @@ class EngineDeployment:
         self.tracer = EngineTracer()
         self.engine.on_finish = self.tracer.on_finish
         self.async_engine = AsyncEngine(self.engine, max_waiting=self.settings.max_waiting_requests,
-                                        replica=self.replica, stall_timeout_s=self.settings.stall_timeout_s)
+                                        replica=self.replica, stall_timeout_s=self.settings.stall_timeout_s,
+                                        faults=StepFaults(self.settings.fault_injection))
+        # Requests whose Egress replica died are aborted (no zombie decoding: stages.liveness).
+        self.consumers = ConsumerWatch(self._abort_request)
         # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
         self.async_engine.start(asyncio.get_running_loop())
         self._seq = itertools.count()
@@ -81,8 +86,17 @@ class EngineDeployment:
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[EngineOutput]]:
         """Stream the outputs of every choice of one request (first token at once, then coalesced)."""
         self._check_alive()
-        async for outs in self.async_engine.generate(request):
-            yield outs
+        choices = tuple(request.choice_ids())
+        self.consumers.add(request.consumer, choices)
+        try:
+            async for outs in self.async_engine.generate(request):
+                yield outs
+        finally:
+            self.consumers.discard(request.consumer, choices)
+
+    def _abort_request(self, choice_ids: tuple[str, ...]) -> None:
+        for rid in choice_ids:
+            self.async_engine.abort(rid)
 
     async def abort(self, request: AbortRequest) -> None:
         """Abort by id (no-op if unknown or finished); blocks are free at the next step."""
@@ -93,7 +107,9 @@ class EngineDeployment:
         return EngineReport(replica=self.replica, node_id=ray.get_runtime_context().get_node_id(),
                             max_model_len=self.engine.max_model_len,
                             healthy=self.async_engine.health_problem() is None,
-                            stats={**self.async_engine.snapshot(), **self.tracer.counters()})
+                            stats={**self.async_engine.snapshot(), **self.tracer.counters(),
+                                   "consumer_gone_aborts": self.consumers.ended},
+                            report_interval_s=self.settings.report_interval_s)
 
     async def stats(self) -> dict[str, Any]:
         """This replica's gauges and counters (tests; ``/metrics`` reads every replica's report)."""
@@ -130,6 +146,11 @@ class EngineDeployment:
             except Exception as exc:  # noqa: BLE001 - the directory restarts; keep reporting
                 logger.warning("engine report to the directory failed: %r", exc)
             await asyncio.sleep(interval)
+
+    async def inject_fault(self, kind: str = "step_exception", after_steps: int = 0) -> None:
+        """Tests only: make an upcoming engine step raise (:mod:`stages.engine.faults`). Refused
+        unless ``engine.fault_injection`` (or ``LIFECYCLE_FAULT_INJECTION=1``) enabled it."""
+        self.async_engine.faults.arm(kind, after_steps)
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: the step loop died, or has had work and

@@ -41,7 +41,14 @@ from stages.errors import (
 from stages.ingress.errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
 from stages.ingress.sse import first_item, relay, sse_response
-from stages.ingress.views import PROBE_TIMEOUT_S, app_metrics, health_problems, report_metrics_forever
+from stages.ingress.views import (
+    PROBE_TIMEOUT_S,
+    EngineLiveness,
+    app_metrics,
+    health_problems,
+    report_metrics_forever,
+)
+from stages.liveness import own_actor_name
 from stages.metrics import IngressMetrics, RequestRecord, render_app
 from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
 from stages.openai_format import TIMING_FIELD, server_timing_header
@@ -113,6 +120,8 @@ class Ingress:
         self.metrics = IngressMetrics(self.served_name)
         self.created = int(time.time())
         self.replica = _replica_id()
+        self.actor_name = own_actor_name()  # Egress ends our streams if this replica dies
+        self.engine_liveness = EngineLiveness(directory)
         self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close)
         self._background = []
         if directory is not None:
@@ -253,9 +262,13 @@ class Ingress:
         return JSONResponse(body, headers=headers)
 
     def _stream(self, gen: Any, job: GenerationJob, live: LiveRequest) -> Response:
+        http = self.cfg.http
         return sse_response(gen, job, live, self.lifecycle, self._timings,
-                            keepalive_s=self.cfg.http.keepalive_interval_s, deadline=self._deadline(live),
-                            headers=self._id_headers(live))
+                            keepalive_s=http.keepalive_interval_s, deadline=self._deadline(live),
+                            headers=self._id_headers(live),
+                            alive=lambda: self.engine_liveness.problem(live.engine_replica),
+                            max_buffer_bytes=http.max_stream_buffer_bytes,
+                            slow_reader_grace_s=http.slow_reader_grace_s)
 
     # -- accounting (once per request, from Lifecycle.close) -----------------------------------------
     def _timings(self, live: LiveRequest, summary: StreamSummary) -> dict[str, float]:
@@ -274,6 +287,8 @@ class Ingress:
 
     def _on_close(self, live: LiveRequest, summary: StreamSummary | None, timings: dict[str, float] | None) -> None:
         span = live.span
+        if live.outcome == "slow_reader":
+            self.metrics.observe_slow_reader()
         if summary is not None:
             if span.is_recording():
                 span.set_attributes({"gen_ai.usage.input_tokens": summary.prompt_tokens,

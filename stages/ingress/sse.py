@@ -13,15 +13,17 @@ Starlette has started iterating the body (then the body generator never runs, so
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from stages.errors import InternalServerError, RequestTimeoutError
+from stages.errors import EngineUnavailableError, InternalServerError, RequestTimeoutError, SlowReaderError
+from stages.ingress.backpressure import StreamBuffer
 from stages.ingress.errors import to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
 from stages.openai_format import SSE_HEADERS, SSE_KEEPALIVE, final_stream_chunk, sse_event, usage
@@ -45,10 +47,16 @@ async def first_item(items: Any) -> StreamStart:
     return item
 
 
-async def relay(items: Any, keepalive_s: float, deadline: float | None = None
+#: Asked at every heartbeat tick: why the request can no longer progress (its engine replica is
+#: gone or stuck), or ``None``. A heartbeat alone would keep a dead request's connection open.
+LivenessCheck = Callable[[], Awaitable[str | None]]
+
+
+async def relay(items: Any, keepalive_s: float, deadline: float | None = None, alive: LivenessCheck | None = None
                 ) -> AsyncIterator[StreamFrame | StreamSummary | None]:
     """Items after the :class:`StreamStart`, up to and including the :class:`StreamSummary`;
-    ``None`` is a heartbeat tick. ``deadline`` is a ``time.perf_counter()`` value."""
+    ``None`` is a heartbeat tick. ``deadline`` is a ``time.perf_counter()`` value. At each tick,
+    ``alive`` (when given) may end the stream with :class:`EngineUnavailableError`."""
     pending: asyncio.Future[Any] | None = None
     try:
         while True:
@@ -62,6 +70,10 @@ async def relay(items: Any, keepalive_s: float, deadline: float | None = None
                     break
                 if deadline is not None and time.perf_counter() >= deadline:
                     raise RequestTimeoutError()
+                if alive is not None:
+                    problem = await alive()
+                    if problem is not None:
+                        raise EngineUnavailableError(f"{problem}; the request was aborted. Retry.")
                 yield None
             item = pending.result()
             pending = None
@@ -75,15 +87,37 @@ async def relay(items: Any, keepalive_s: float, deadline: float | None = None
 
 class ClosingStreamingResponse(StreamingResponse):
     """A streaming response that always runs ``on_close`` once it is done, however it ended: the
-    body finished, the client left mid-body, or the client left before the body started."""
+    body finished, the client left mid-body, or the client left before the body started.
+
+    :meth:`close_after` ends the response from outside after a grace period, even while a write to
+    a client that stopped reading is stuck: the ASGI server then closes the connection."""
 
     def __init__(self, content: Any, on_close: Callable[[], None], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._on_close = on_close
+        self._inner: asyncio.Task[None] | None = None
+        self._forced = False
+
+    def close_after(self, delay_s: float) -> None:
+        """Cancel the response in ``delay_s`` seconds unless it has finished by then."""
+
+        def force() -> None:
+            if self._inner is not None and not self._inner.done():
+                self._forced = True
+                self._inner.cancel()
+
+        asyncio.get_running_loop().call_later(delay_s, force)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            self._inner = asyncio.ensure_future(super().__call__(scope, receive, send))
+            try:
+                await self._inner
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not self._forced or (task is not None and task.cancelling()):
+                    raise
+                # Forced: return with the body unfinished; the server closes the connection.
         finally:
             try:
                 aclose = getattr(self.body_iterator, "aclose", None)
@@ -98,47 +132,88 @@ class ClosingStreamingResponse(StreamingResponse):
 
 def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lifecycle,
                  timings: Callable[[LiveRequest, StreamSummary], dict[str, float]], *, keepalive_s: float,
-                 deadline: float | None = None, headers: dict[str, str] | None = None) -> ClosingStreamingResponse:
+                 deadline: float | None = None, headers: dict[str, str] | None = None,
+                 alive: LivenessCheck | None = None, max_buffer_bytes: int = 1 << 20,
+                 slow_reader_grace_s: float = 10.0) -> ClosingStreamingResponse:
     """The SSE response of a streamed request whose :class:`StreamStart` has been read from ``gen``:
     Egress frames as they come, heartbeats while nothing does, then the closing chunk (usage when
     asked, server timings) and ``[DONE]``; an error after the 200 is an in-band error event, then
     ``[DONE]``. However it ends, ``lifecycle.close`` runs exactly once and an unfinished Egress
-    call is cancelled (which aborts the request in the engine)."""
+    call is cancelled (which aborts the request in the engine).
 
-    async def body() -> AsyncIterator[str]:
+    A reader task takes the Egress stream into a :class:`StreamBuffer`; the body writes from it.
+    When more than ``max_buffer_bytes`` wait for a client that stopped reading, the request is
+    aborted with :class:`SlowReaderError` (the backlog is replaced by that error event and
+    ``[DONE]``), and the connection is closed if they are still unsent ``slow_reader_grace_s`` later.
+    """
+    buffer = StreamBuffer(max_buffer_bytes)
+
+    def emit(data: str) -> None:
+        if not buffer.put(data.encode()):
+            raise SlowReaderError(buffer.size, max_buffer_bytes)
+
+    async def read() -> None:
         events = 0  # Egress numbers its events from 0; the closing events continue the count
         try:
-            async for item in relay(gen, keepalive_s, deadline):
-                if item is None:
-                    yield SSE_KEEPALIVE
-                elif isinstance(item, StreamFrame):
-                    events += 1
-                    live.mark_tokens(item.num_tokens)
-                    yield item.data
-                    live.mark_flushed()  # resumed: Starlette's send of that frame returned
-                else:
-                    parts = timings(live, item)
-                    usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
-                                  if job.include_usage else None)
-                    yield sse_event(final_stream_chunk(job.kind, job.response_id, job.created, job.model_name,
-                                                       usage_body, parts), events)
-                    yield sse_event("[DONE]", events + 1)
-                    lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", item, parts)
-                    return
-        except (asyncio.CancelledError, GeneratorExit):
+            async with contextlib.aclosing(relay(gen, keepalive_s, deadline, alive)) as items:
+                async for item in items:
+                    if item is None:
+                        emit(SSE_KEEPALIVE)
+                    elif isinstance(item, StreamFrame):
+                        events += 1
+                        live.mark_tokens(item.num_tokens)
+                        emit(item.data)
+                    else:
+                        # The closing chunk carries first_flush: let the writer send what is queued.
+                        await buffer.wait_sent(slow_reader_grace_s)
+                        parts = timings(live, item)
+                        usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
+                                      if job.include_usage else None)
+                        emit(sse_event(final_stream_chunk(job.kind, job.response_id, job.created, job.model_name,
+                                                          usage_body, parts), events))
+                        emit(sse_event("[DONE]", events + 1))
+                        buffer.close()
+                        lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", item, parts)
+                        return
+        except asyncio.CancelledError:
             live.outcome = "client_gone"
             raise
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in-band, then end
+            gen.cancel()  # abort in the engine now, not when the client has taken the error
             err = to_serve_error(exc)
             live.status = err.status_code
-            live.outcome = "timeout" if isinstance(err, RequestTimeoutError) else "error"
-            yield sse_event(err.to_dict(), events)
-            yield sse_event("[DONE]", events + 1)
+            buffer.replace([sse_event(err.to_dict(), events).encode(), sse_event("[DONE]", events + 1).encode()])
+            if isinstance(err, SlowReaderError):
+                logger.warning("request %s aborted: %s", live.request_id, err.message)
+                lifecycle.close(live, "slow_reader")
+                response.close_after(slow_reader_grace_s)
+            else:
+                live.outcome = "timeout" if isinstance(err, RequestTimeoutError) else "error"
+        finally:
+            buffer.close()
+
+    async def body() -> AsyncIterator[bytes]:
+        reader = asyncio.ensure_future(read())
+        try:
+            while (chunk := await buffer.get()) is not None:
+                first_frame_queued = live.first_frame_at is not None
+                yield chunk
+                if first_frame_queued:
+                    live.mark_flushed()  # resumed: Starlette's send of the first token's frame returned
+                buffer.mark_sent()
+        except (asyncio.CancelledError, GeneratorExit):
+            live.outcome = "client_gone" if live.outcome == "ok" else live.outcome
+            raise
+        finally:
+            if not reader.done():
+                reader.cancel()
+            await asyncio.wait([reader])  # its own errors are handled inside; this never raises them
 
     def on_close() -> None:
         if not live.closed:
             gen.cancel()  # Ray Serve carries this to Egress and on to the engine: abort
             lifecycle.close(live, "client_gone" if live.outcome == "ok" else None)
 
-    return ClosingStreamingResponse(body(), on_close, media_type="text/event-stream",
-                                    headers={**SSE_HEADERS, **(headers or {})})
+    response = ClosingStreamingResponse(body(), on_close, media_type="text/event-stream",
+                                        headers={**SSE_HEADERS, **(headers or {})})
+    return response

@@ -7,7 +7,9 @@ Ingress replicas report to the Directory, and these functions read those reports
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import time
 from typing import Any
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -68,3 +70,53 @@ async def app_metrics(directory: Any, replica: str, own_text: str) -> tuple[dict
     except Exception as exc:  # noqa: BLE001 - still serve this replica's own metrics
         logger.warning("directory unavailable for /metrics: %r", exc)
         return {replica: own_text}, []
+
+
+class EngineLiveness:
+    """Is the engine replica running a request still alive? Answered from the directory's engine
+    reports (a killed replica stops reporting; a stuck one reports itself unhealthy), refreshed at
+    most every ``max_age_s`` so any number of silent streams cost one call. Used at every SSE
+    heartbeat tick: a heartbeat alone would keep a dead request's connection open forever.
+
+    A replica counts as gone only after ``grace_s`` of being absent or unhealthy, and a directory
+    that cannot be asked is no evidence, so a directory restart never aborts streams."""
+
+    def __init__(self, directory: Any, max_age_s: float = 1.0, grace_s: float = 1.0) -> None:
+        self.directory = directory
+        self.max_age_s = max_age_s
+        self.grace_s = grace_s
+        self._healthy: set[str] = set()
+        self._known: set[str] = set()
+        self._fetched = 0.0
+        self._bad_since: dict[str, float] = {}
+        self._refresh: asyncio.Task[None] | None = None
+
+    async def _fetch(self) -> None:
+        try:
+            reports = await asyncio.wait_for(self.directory.engines.remote(), PROBE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - no answer is no evidence: keep the last view
+            logger.warning("engine liveness: directory unavailable: %r", exc)
+            return
+        self._fetched = time.monotonic()
+        self._healthy = {r.replica for r in reports if r.healthy}
+        self._known = {r.replica for r in reports}
+
+    async def problem(self, replica: str | None) -> str | None:
+        """Why ``replica`` cannot finish its requests, or ``None`` (also when unknown or unsure)."""
+        if self.directory is None or not replica:
+            return None
+        if time.monotonic() - self._fetched > self.max_age_s:
+            if self._refresh is None or self._refresh.done():
+                # A fresh context: in a request's context, Serve cancels the call with that request.
+                self._refresh = asyncio.get_running_loop().create_task(self._fetch(), context=contextvars.Context())
+            await asyncio.shield(self._refresh)
+        now = time.monotonic()
+        if replica in self._healthy:
+            self._bad_since.pop(replica, None)
+            return None
+        since = self._bad_since.setdefault(replica, now)
+        if now - since < self.grace_s:
+            return None
+        if replica in self._known:
+            return f"engine replica {replica} is not making progress"
+        return f"engine replica {replica} stopped reporting"
