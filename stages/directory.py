@@ -34,9 +34,9 @@ from ray import serve
 from stages.protocol import EngineReport, LiveEntry, WatchReply
 
 #: An engine replica that missed this many of its reports in a row counts as gone ...
-MISSED_REPORTS = 4
+MISSED_REPORTS = 8
 #: ... but never sooner than this many seconds (a busy 2-core machine delays reports).
-MIN_REPORT_TTL_S = 2.0
+MIN_REPORT_TTL_S = 3.0
 
 
 @dataclass

@@ -33,7 +33,7 @@ from ray import serve
 
 from stages.detokenizer import IncrementalDetokenizer
 from stages.engine.errors import EngineOverloadedError
-from stages.errors import unwrap_error
+from stages.errors import EngineUnavailableError, unwrap_error
 from stages.liveness import ConsumerWatch, own_actor_name
 from stages.openai_format import LogprobFormatter, full_response, sse_event, stream_chunk, usage
 from stages.protocol import (
@@ -212,7 +212,12 @@ class Egress:
                 for frame in frames:
                     yield frame
         except StopAsyncIteration:
-            pass  # the engine ended the stream (every choice finished there)
+            # The engine ends a stream only once every choice has finished, so an early end means
+            # the call was lost with its replica (a killed replica's stream can end cleanly).
+            if open_choices:
+                raise EngineUnavailableError(
+                    "The engine stream ended before the request finished: the engine replica was lost. "
+                    "Retry.") from None
         finally:
             await stream.close()  # aborts in the engine whatever is still running there
         summary = self._summary(choices, busy)

@@ -45,9 +45,14 @@ def own_actor_name() -> str:
 
 
 def _namespace() -> str:
-    import ray
+    """Serve names every replica actor in its own namespace (not the job's, which the runtime
+    context reports: looking a replica up there finds nothing, and every consumer seemed dead)."""
+    try:
+        from ray.serve._private.constants import SERVE_NAMESPACE
 
-    return ray.get_runtime_context().namespace
+        return SERVE_NAMESPACE
+    except ImportError:  # pragma: no cover - the constant moved
+        return "serve"
 
 
 async def ray_actors_gone(names: list[str]) -> list[str]:

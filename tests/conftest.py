@@ -46,6 +46,25 @@ REPLICAS_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+#: The fault tests' app (tests/test_faults.py): its replicas get killed, so it is nobody else's.
+#: Small and quick to restart; the test-only step fault hook on; a small per-stream buffer so a
+#: slow reader is cut quickly; Serve checks the engine's health every second.
+FAULTS_ARGS: dict[str, Any] = {
+    "model": "embedded:smollm2-135m-instruct",
+    "engine": {"max_num_seqs": 16, "max_waiting_requests": 16, "max_num_batched_tokens": 256,
+               "kv_cache_memory_gb": 0.25, "num_threads": 1, "report_interval_s": 0.25, "weights": "float32",
+               "fault_injection": True, "stall_timeout_s": 5.0},
+    "http": {"max_body_bytes": 65536, "keepalive_interval_s": 0.5, "max_stream_buffer_bytes": 16384,
+             "slow_reader_grace_s": 30.0},
+}
+FAULTS_OPTIONS: dict[str, dict[str, Any]] = {
+    "Ingress": {"ray_actor_options": {"num_cpus": 0.1}},
+    "Preprocess": {"ray_actor_options": {"num_cpus": 0.1}},
+    "Egress": {"ray_actor_options": {"num_cpus": 0.1}},
+    "Engine": {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1, "health_check_timeout_s": 10},
+}
+
+
 @dataclass
 class ServeApp:
     url: str
@@ -132,8 +151,15 @@ def serve_app_replicas(serve_session: str) -> Iterator[ServeApp]:
                    name="replicas")
 
 
+@pytest.fixture(scope="session")
+def fault_app(serve_session: str) -> Iterator[ServeApp]:
+    """The fault tests' own app (its replicas get killed): name ``faults``, route ``/faults``."""
+    url = deploy_app(FAULTS_ARGS, name="faults", route_prefix="/faults", options=FAULTS_OPTIONS)
+    yield ServeApp(url=url, otlp=None, args=FAULTS_ARGS, session_dir=serve_session, name="faults")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that use the real Serve app get the ``serve`` marker (``-m "not serve"`` skips them)."""
     for item in items:
-        if {"serve_app", "serve_app_replicas"} & set(getattr(item, "fixturenames", ())):
+        if {"serve_app", "serve_app_replicas", "fault_app"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.serve)
