@@ -19,7 +19,7 @@ export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 0.2
 # `RAY_AUTH_MODE=token make serve` keeps it (then use `RAY_AUTH_MODE=token serve status`).
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup serve test test-fast bench lint clean nginx peer k8s kubectl
+.PHONY: setup serve test test-fast bench soak lint clean nginx peer k8s kubectl
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,12 @@ test-fast: setup kubectl
 bench: setup
 	$(PY) bench/bench_engine.py
 	$(PY) bench/bench_graph.py
+
+# The disconnect soak: 32 churning clients for SOAK_S seconds (default 10 minutes), then a check
+# that nothing leaked (engine idle, KV 0, Directory empty, every actor's RSS flat after warm-up).
+SOAK_S ?= 600
+soak: setup
+	$(PY) -m bench.soak --duration $(SOAK_S)
 
 lint: setup
 	$(VENV)/bin/ruff check stages tests bench graph.py

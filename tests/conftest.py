@@ -51,7 +51,7 @@ REPLICAS_OPTIONS: dict[str, dict[str, Any]] = {
 #: slow reader is cut quickly; Serve checks the engine's health every second.
 FAULTS_ARGS: dict[str, Any] = {
     "model": "embedded:smollm2-135m-instruct",
-    "engine": {"max_num_seqs": 16, "max_waiting_requests": 16, "max_num_batched_tokens": 256,
+    "engine": {"max_num_seqs": 16, "max_waiting_requests": 64, "max_num_batched_tokens": 256,
                "kv_cache_memory_gb": 0.25, "num_threads": 1, "report_interval_s": 0.25, "weights": "float32",
                "fault_injection": True, "stall_timeout_s": 5.0},
     "http": {"max_body_bytes": 65536, "keepalive_interval_s": 0.5, "max_stream_buffer_bytes": 16384,

@@ -191,3 +191,30 @@ def test_slow_reader_is_aborted_and_memory_stays_bounded(fault_app: ServeApp) ->
     growth = rss_after - rss_before
     print(f"\nslow reader: {len(events)} events reached it; Ingress RSS {rss_before >> 20} -> {rss_after >> 20} MiB")
     assert growth < 64 << 20, f"the Ingress replica grew by {growth >> 20} MiB"
+
+
+def test_engine_aborts_a_stream_whose_reader_no_longer_exists(fault_app: ServeApp) -> None:
+    """The liveness watch itself, in the real replica: an engine stream naming a consumer that does
+    not exist (as when its Egress replica was killed and Serve's cancellation never arrived) is
+    aborted within a couple of watch periods, though this caller goes on reading."""
+    import asyncio
+
+    from ray import serve
+
+    from stages.protocol import EngineRequest, SamplingParams
+    from tests.conftest import _handle_loop
+
+    async def stream() -> tuple[str | None, float]:
+        handle = serve.get_deployment_handle("Engine", app_name=APP).options(stream=True)
+        request = EngineRequest("liveness-probe-0", [1, 2, 3, 4],
+                                SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.0),
+                                consumer=f"SERVE_REPLICA::{APP}#Egress#gone")
+        t0, finish = time.monotonic(), None
+        async for outs in handle.generate.remote(request):
+            finish = outs[-1].finish_reason or finish
+        return finish, time.monotonic() - t0
+
+    _ready(fault_app)
+    finish, took = asyncio.run_coroutine_threadsafe(stream(), _handle_loop()).result(timeout=60)
+    assert finish == "abort" and took < 10, (finish, took)
+    assert fault_app.engine_stats()["consumer_gone_aborts"] >= 1
