@@ -152,6 +152,45 @@ def test_exception_in_the_engine_step(fault_app: ServeApp) -> None:
     wait_for(lambda: _engine_idle(fault_app), 30, "the new engine to be idle")
 
 
+def test_a_hung_engine_step_does_not_keep_streams_open_on_heartbeats(fault_app: ServeApp) -> None:
+    """The engine's step blocks: nothing fails, the streams just go silent and Ingress sends
+    heartbeats. The heartbeat's liveness check must end them once the engine reports itself stalled
+    (``engine.stall_timeout_s``, 5 s here), with the error event; Serve then replaces the replica."""
+    _ready(fault_app)
+    streams = Streams(fault_app.url, 8, max_tokens=400)
+    streams.wait_started()
+    fault_app.call("Engine", "inject_fault", "step_hang")
+    hung_at = time.monotonic()
+    stall = fault_app.args["engine"]["stall_timeout_s"]
+    results = streams.join(stall + 30)
+    for r in results:
+        assert r.status == 200 and r.error is not None and set(r.error) == ERROR_KEYS, r
+        assert r.error["type"] == "service_unavailable" and r.after_error == "[DONE]", r
+        # Stall detection, a report, the directory's view (1 s cache) and a 1 s grace, generously.
+        assert r.ended_at - hung_at <= stall + END_WITHIN_S, (r.ended_at - hung_at, r)
+    print(f"\nstep hung: clients ended {max(r.ended_at for r in results) - hung_at:.1f} s later")
+    wait_for(lambda: _health(fault_app) == 200 and _completion(fault_app).status_code == 200, RECOVERY_S,
+             "the hung engine to be replaced", period=1)
+    wait_for(lambda: _engine_idle(fault_app), 30, "the new engine to be idle")
+
+
+def test_ingress_replica_killed_mid_stream(fault_app: ServeApp) -> None:
+    """Nobody is left to send an error event: every connection must close at once, the work of
+    its streams must stop in Egress and the engine, and new requests succeed."""
+    _ready(fault_app)
+    streams = Streams(fault_app.url, 8, max_tokens=400)
+    streams.wait_started()
+    _, killed_at = _kill(APP, "Ingress")
+    results = streams.join(30)
+    for r in results:
+        assert r.ended_at - killed_at <= END_WITHIN_S and not r.done, r
+        assert r.exception is not None or r.error is not None, r
+    wait_for(lambda: _engine_idle(fault_app), 15, "the engine to abort the dead Ingress's requests")
+    print(f"\ningress killed: connections closed {max(r.ended_at for r in results) - killed_at:.2f} s later, "
+          f"engine idle {time.monotonic() - killed_at:.1f} s after the kill")
+    wait_for(lambda: _completion(fault_app).status_code == 200, RECOVERY_S, "a request to succeed", period=1)
+
+
 def _metric(app: ServeApp, name: str) -> float:
     text = httpx.get(app.url + "/metrics", timeout=10).text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
