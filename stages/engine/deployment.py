@@ -3,7 +3,9 @@
 One replica per GPU (CPU fallback). The step loop runs on its own thread inside the replica;
 ``generate`` streams all choices of a request, coalesced. Cancelling the stream (the caller went
 away, or a stop string ended every choice) runs ``AsyncEngine.generate``'s ``finally``, which
-aborts the request by id so its blocks are free at the next step; ``abort`` ends chosen requests
+aborts the request by id so its blocks are free at the next step (and a stream whose reading Egress
+replica died is aborted by :class:`stages.liveness.ConsumerWatch`, since a killed caller cancels
+nothing); ``abort`` ends chosen requests
 from outside the stream (cancel by id, a stop string in one of several choices), routed here by
 :class:`stages.routing.EngineRouter`. The engine emits its spans (queue wait, prefill, decode)
 after the fact from the request's own timestamps, so tracing adds no work to a step.

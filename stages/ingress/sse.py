@@ -3,7 +3,13 @@
 :func:`relay` turns the typed Egress stream into what the SSE body needs: each item as it comes, a
 heartbeat tick whenever nothing came for ``keepalive_s`` (the ``: keep-alive`` comment keeps
 proxies from timing out, and writing it is how a dead client is noticed during long silences), and
-a :class:`RequestTimeoutError` at the request's deadline.
+a :class:`RequestTimeoutError` at the request's deadline. At each heartbeat tick a liveness check
+(the request's engine replica still reporting and healthy) may end the stream instead: a
+heartbeat alone would keep a dead request's connection open forever.
+
+:func:`sse_response` reads the stream into a bounded per-stream buffer
+(:mod:`.backpressure`) and writes to the client from it; a client that stops reading is aborted
+with a ``slow_reader`` error once the bound is passed.
 
 :class:`ClosingStreamingResponse` guarantees cleanup however the client leaves, including before
 Starlette has started iterating the body (then the body generator never runs, so its own
