@@ -38,6 +38,7 @@ from stages.errors import (
     RequestCancelledError,
     RequestTimeoutError,
     ServeError,
+    SlowReaderError,
     unwrap_error,
 )
 from stages.ingress.errors import error_response, to_serve_error
@@ -57,6 +58,7 @@ INSTANCES: list[ServeError] = [
     InternalServerError(),
     RequestCancelledError(),
     RequestTimeoutError(),
+    SlowReaderError(20000, 16384),
 ]
 
 #: The HTTP contract: status, OpenAI error ``type`` and default ``code`` of each class.
@@ -73,6 +75,7 @@ CONTRACT: dict[type[ServeError], tuple[int, str, str | None]] = {
     InternalServerError: (500, "internal_error", None),
     RequestCancelledError: (499, "request_cancelled", None),
     RequestTimeoutError: (504, "timeout", "request_timeout"),
+    SlowReaderError: (408, "slow_reader", "stream_buffer_exceeded"),
 }
 
 
