@@ -191,6 +191,34 @@ def test_ingress_replica_killed_mid_stream(fault_app: ServeApp) -> None:
     wait_for(lambda: _completion(fault_app).status_code == 200, RECOVERY_S, "a request to succeed", period=1)
 
 
+def test_preprocess_replica_killed_under_load(fault_app: ServeApp) -> None:
+    """Requests arriving while Preprocess dies get 200 or a 503 in the OpenAI shape (never a hang
+    or another status); running streams, past Preprocess already, finish normally."""
+    import concurrent.futures
+
+    _ready(fault_app)
+    running = Streams(fault_app.url, 4, max_tokens=48)
+    running.wait_started()
+
+    def small(_: int) -> tuple[int, dict[str, Any]]:
+        r = _completion(fault_app, max_tokens=2)
+        return r.status_code, r.json()
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(small, i) for i in range(8)]
+        _kill(APP, "Preprocess")
+        futures += [pool.submit(small, i) for i in range(8)]
+        answers = [f.result(timeout=RECOVERY_S) for f in futures]
+    for status, body in answers:
+        assert status in (200, 503), (status, body)
+        if status == 503:
+            assert set(body["error"]) == ERROR_KEYS and body["error"]["type"] == "service_unavailable", body
+    for r in running.join(60):
+        assert r.status == 200 and r.done and r.error is None and r.finish_reasons == ["length"], r
+    print(f"\npreprocess killed: {sorted(s for s, _ in answers)}")
+    wait_for(lambda: _completion(fault_app).status_code == 200, RECOVERY_S, "a request to succeed", period=1)
+
+
 def _metric(app: ServeApp, name: str) -> float:
     text = httpx.get(app.url + "/metrics", timeout=10).text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.M))
