@@ -285,3 +285,34 @@ def test_engine_aborts_a_stream_whose_reader_no_longer_exists(fault_app: ServeAp
     finish, took = asyncio.run_coroutine_threadsafe(stream(), _handle_loop()).result(timeout=60)
     assert finish == "abort" and took < 10, (finish, took)
     assert fault_app.engine_stats()["consumer_gone_aborts"] >= 1
+
+
+def test_egress_ends_a_stream_whose_reader_no_longer_exists(fault_app: ServeApp) -> None:
+    """The same watch in Egress: a job naming an Ingress replica that does not exist (as when it
+    was killed and Serve's cancellation never arrived) has its engine call closed, which aborts
+    the request in the engine, though this caller goes on reading."""
+    import asyncio
+
+    from ray import serve
+
+    from stages.protocol import EngineRequest, GenerationJob, SamplingParams
+    from tests.conftest import _handle_loop
+
+    async def stream() -> tuple[str, float]:
+        handle = serve.get_deployment_handle("Egress", app_name=APP).options(stream=True)
+        request = EngineRequest("liveness-probe-1", [1, 2, 3, 4],
+                                SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.0))
+        job = GenerationJob(request, "completion", MODEL_NAME, "cmpl-liveness-probe-1", 0, stream=True,
+                            consumer=f"SERVE_REPLICA::{APP}#Ingress#gone")
+        t0, ended = time.monotonic(), "completed"
+        try:
+            async for _ in handle.stream.remote(job):
+                pass
+        except Exception as exc:  # noqa: BLE001 - how the stream ended
+            ended = type(exc).__name__
+        return ended, time.monotonic() - t0
+
+    _ready(fault_app)
+    ended, took = asyncio.run_coroutine_threadsafe(stream(), _handle_loop()).result(timeout=60)
+    assert took < 10, (ended, took)
+    wait_for(lambda: _engine_idle(fault_app), 10, "the engine to abort the probe")

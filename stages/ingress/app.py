@@ -223,7 +223,7 @@ class Ingress:
             job = GenerationJob(engine_request=engine_request, kind=kind, model_name=self.served_name,
                                 response_id=live.response_id, created=int(time.time()), n=req.n,
                                 stream=req.stream, include_usage=req.include_usage,
-                                echo=getattr(req, "echo", False))
+                                echo=getattr(req, "echo", False), consumer=self.actor_name)
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
             live.dispatched_at = time.perf_counter()
