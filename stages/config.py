@@ -7,9 +7,10 @@ the built application can be inspected in tests without running anything.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 if TYPE_CHECKING:  # the CPU stages read this module and must not import the engine package
     from stages.engine.engine import EngineConfig
@@ -17,6 +18,19 @@ if TYPE_CHECKING:  # the CPU stages read this module and must not import the eng
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+#: Largest message Ray Serve passes between deployments: with gRPC transport (on under
+#: ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``) a call whose request or reply is bigger fails.
+INTER_DEPLOYMENT_MESSAGE_BYTES = int(os.environ.get("RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH", 4 * 1024 * 1024))
+#: The largest ``http.max_body_bytes``: the request Ingress sends Preprocess carries the decoded body
+#: (never larger than the JSON) plus a few KB of fields, so this leaves that message room to spare.
+MAX_BODY_BYTES = INTER_DEPLOYMENT_MESSAGE_BYTES - 512 * 1024
+
+
+def valid_api_key(key: str) -> bool:
+    """Whether ``key`` can travel in an ``Authorization`` header as one Bearer token."""
+    return 0 < len(key) <= 512 and key.isascii() and key.isprintable() and " " not in key and "," not in key
 
 
 #: Engine settings the Ray replica uses itself; the engine core never sees them.
@@ -60,10 +74,14 @@ class EngineSettings(_Strict):
         return EngineConfig(model=model, device=device, **fields)
 
 
+#: Paths that ``http.auth_exempt_paths`` may open to callers without a key (read-only views).
+AuthExemptPath = Literal["/health", "/metrics", "/version", "/openapi.json"]
+
+
 class HttpSettings(_Strict):
     """Ingress behaviour."""
 
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, le=MAX_BODY_BYTES)
     #: Seconds between ``: keep-alive`` SSE comments while nothing else is sent.
     keepalive_interval_s: float = Field(5.0, gt=0)
     #: Abort a request that runs longer than this (0: no limit).
@@ -78,6 +96,23 @@ class HttpSettings(_Strict):
     max_log_len: int = Field(200, ge=0)
     #: Also append the per-request JSON lines to this file (one object per line).
     request_log_file: str | None = None
+    #: Largest ``max_tokens`` a request may ask (400 above it; unset ones stop there); 0: the context.
+    max_tokens_limit: int = Field(0, ge=0)
+    #: Bearer keys clients must send (``Authorization: Bearer <key>``); empty: no keys asked for.
+    #: ``LIFECYCLE_API_KEYS`` (comma-separated) adds keys without putting them in the config.
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    #: Paths served without a key even when keys are on (probes, scrapers).
+    auth_exempt_paths: list[AuthExemptPath] = Field(default_factory=lambda: ["/health", "/metrics"])
+    #: Most requests one key may have in flight on one Ingress replica (0: no limit); beyond: 429.
+    max_concurrent_requests_per_key: int = Field(0, ge=0)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _header_safe(cls, keys: list[SecretStr]) -> list[SecretStr]:
+        for key in keys:
+            if not valid_api_key(key.get_secret_value()):
+                raise ValueError("every API key must be 1..512 printable ASCII characters without spaces or commas")
+        return keys
 
 
 class TracingSettings(_Strict):
@@ -94,6 +129,9 @@ class TracingSettings(_Strict):
 
 class AppConfig(_Strict):
     """Everything ``build_app`` needs."""
+
+    # A bad API key must not be echoed into a deploy-time error (pydantic prints the input value).
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     model: str = "embedded:smollm2-135m-instruct"
     served_model_name: str | None = None

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 __all__ = [
     "ServeError",
     "InvalidRequestError",
+    "AuthenticationError",
     "ContextLengthExceededError",
     "ModelNotFoundError",
     "NotFoundError",
@@ -100,6 +101,19 @@ class InvalidRequestError(ServeError):
     status_code = 400
     error_type = "invalid_request_error"
     default_message = "Invalid request."
+
+
+class AuthenticationError(ServeError):
+    """401: no API key, or not one of the configured keys (the message never repeats the key)."""
+
+    status_code = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+    default_message = "Incorrect API key provided."
+
+    def __init__(self, message: str | None = None) -> None:
+        # RFC 6750: a 401 names the scheme the client should use.
+        super().__init__(message, headers={"WWW-Authenticate": "Bearer"})
 
 
 class ContextLengthExceededError(InvalidRequestError):

@@ -15,6 +15,7 @@ client still receives what was generated, ``finish_reason: "abort"`` and ``[DONE
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from ray import serve
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -38,8 +40,10 @@ from stages.errors import (
     PayloadTooLargeError,
     RequestTimeoutError,
 )
+from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
 from stages.ingress.errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
+from stages.ingress.openapi import build_openapi
 from stages.ingress.sse import first_item, relay, sse_response
 from stages.ingress.views import (
     PROBE_TIMEOUT_S,
@@ -61,7 +65,7 @@ from stages.openai_schema import (
     parse_request,
     to_sampling_params,
 )
-from stages.protocol import AbortRequest, GenerationJob, PreprocessRequest, StreamSummary
+from stages.protocol import AbortRequest, EngineRequest, GenerationJob, PreprocessRequest, StreamSummary
 from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -110,6 +114,10 @@ class Ingress:
             handler.setFormatter(logging.Formatter("%(message)s"))  # pure JSON lines
             request_log.addHandler(handler)
         configure_tracing(self.cfg.tracing, component="ingress")
+        self.api_keys = ApiKeys.from_config(self.cfg.http)
+        if self.api_keys is not None:
+            logger.info("API keys on: %d key(s); no key needed for %s", len(self.api_keys),
+                        sorted(self.api_keys.exempt_paths) or "nothing")
         self.preprocess = preprocess
         self.egress_stream = egress.options(stream=True)
         self.egress = egress
@@ -140,6 +148,7 @@ class Ingress:
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
         ]
 
         async def http_error(_: Request, exc: Exception) -> Response:
@@ -153,7 +162,9 @@ class Ingress:
         async def any_error(_: Request, exc: Exception) -> Response:
             return error_response(exc)
 
-        return Starlette(routes=routes, exception_handlers={HTTPException: http_error, Exception: any_error})
+        middleware = [Middleware(AuthMiddleware, keys=self.api_keys)] if self.api_keys is not None else []
+        return Starlette(routes=routes, middleware=middleware,
+                         exception_handlers={HTTPException: http_error, Exception: any_error})
 
     # -- helpers --------------------------------------------------------------------------------------
     async def _read_body(self, request: Request) -> bytes:
@@ -172,6 +183,20 @@ class Ingress:
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_name:
             raise ModelNotFoundError(model)
+
+    def _check_max_tokens(self, req: ChatCompletionRequest | CompletionRequest) -> None:
+        limit = self.cfg.http.max_tokens_limit
+        if limit and (req.requested_max_tokens or 0) > limit:
+            field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+            raise InvalidRequestError(f"{field} is {req.requested_max_tokens}; this server allows at most {limit}.",
+                                      param=field)
+
+    def _cap_max_tokens(self, engine_request: EngineRequest) -> EngineRequest:
+        """With ``http.max_tokens_limit``, a request that asked no ``max_tokens`` stops there."""
+        limit, params = self.cfg.http.max_tokens_limit, engine_request.sampling_params
+        if not limit or params.max_tokens <= limit:
+            return engine_request
+        return dataclasses.replace(engine_request, sampling_params=dataclasses.replace(params, max_tokens=limit))
 
     def _deadline(self, live: LiveRequest) -> float | None:
         timeout = self.cfg.http.request_timeout_s
@@ -193,7 +218,7 @@ class Ingress:
             "POST /v1/chat/completions" if kind == "chat" else "POST /v1/completions",
             context=extract(request.headers), kind=SpanKind.SERVER)
         label = request.headers.get("x-request-id")
-        live = self.lifecycle.open(kind, span, t0=t_arrival,
+        live = self.lifecycle.open(kind, span, t0=t_arrival, api_key_id=request_key_id(request),
                                    client_request_id=label if label and len(label) <= MAX_REQUEST_ID_LEN else None)
         span.set_attribute("lifecycle.request_id", live.request_id)
         gen: Any = None
@@ -204,6 +229,7 @@ class Ingress:
             cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
             req = parse_request(cls, await self._read_body(request))
             self._check_model(req.model)
+            self._check_max_tokens(req)
             span.set_attributes({"gen_ai.request.model": req.model,
                                  "gen_ai.operation.name": "chat" if kind == "chat" else "text_completion",
                                  "gen_ai.request.max_tokens": req.requested_max_tokens or 0,
@@ -217,7 +243,7 @@ class Ingress:
                 trace_context=inject(span),
                 n=req.n,
             )
-            engine_request = await self.preprocess.process.remote(pre)
+            engine_request = self._cap_max_tokens(await self.preprocess.process.remote(pre))
             live.prep = time.perf_counter() - t_arrival
             live.prompt_text = engine_request.prompt_text
             job = GenerationJob(engine_request=engine_request, kind=kind, model_name=self.served_name,
@@ -318,7 +344,7 @@ class Ingress:
         record: dict[str, Any] = {
             "event": "request_finished", "request_id": live.request_id, "x_request_id": live.client_request_id,
             "trace_id": format(ctx.trace_id, "032x") if ctx.is_valid else None,
-            "kind": live.kind, "outcome": live.outcome, "status": live.status,
+            "kind": live.kind, "outcome": live.outcome, "status": live.status, "api_key_id": live.api_key_id,
             "timings_ms": timings or {"total": _ms(live.elapsed())},
         }
         if summary is not None:
@@ -334,7 +360,8 @@ class Ingress:
         client ``X-Request-Id`` cancels every live request carrying it, on any replica."""
         key = request.path_params["request_id"]
         try:
-            entries = await self.lifecycle.cancel(key)
+            # With keys on, only the key that created a request can cancel it (others get 404).
+            entries = await self.lifecycle.cancel(key, request_key_id(request))
         except Exception as exc:  # noqa: BLE001 - rendered in the one place
             return error_response(exc)
         if not entries:
@@ -371,6 +398,17 @@ class Ingress:
         return JSONResponse({"object": "list", "data": [
             {"id": self.served_name, "object": "model", "created": self.created, "owned_by": "lifecycle-serve",
              "root": self.cfg.model, "max_model_len": await self._max_model_len()}]})
+
+    async def openapi(self, request: Request) -> Response:
+        """``GET /openapi.json``: the public API, with this deployment's limits as bounds."""
+        limit = self.cfg.http.max_tokens_limit
+        if not limit:
+            context = await self._max_model_len()
+            limit = context - 1 if context else 0
+        keys = self.api_keys
+        return JSONResponse(build_openapi(version=VERSION, max_tokens=limit or None,
+                                          max_body_bytes=self.cfg.http.max_body_bytes, auth=keys is not None,
+                                          auth_exempt_paths=keys.exempt_paths if keys else frozenset()))
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})
