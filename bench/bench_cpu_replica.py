@@ -97,7 +97,7 @@ def _build(stage: str, model: str) -> tuple[Any, str, Any]:
         body = {"prompt": None, "messages": [{"role": "user", "content": "Hello there"}],
                 "add_generation_prompt": True, "add_special_tokens": False}
         return (PreprocessDeployment.options(num_replicas=1).bind(model, 0, None, None), "Preprocess",
-                lambda h: h.tokenize.remote(body).result())
+                lambda h: list(h.options(stream=True).tokenize.remote(body)))  # replies in parts
     if stage == "egress":
         from stages.egress import EgressDeployment
 

@@ -268,3 +268,11 @@ class EngineReport:
     #: Seconds between this replica's reports: the directory counts one that missed a few as gone
     #: (0: the directory's own ``report_ttl_s`` applies).
     report_interval_s: float = 0.0
+
+
+@dataclass
+class ReplyPart:
+    """One piece of a reply streamed in parts because it may outgrow one inter-deployment message
+    (see :mod:`stages.chunked`): each value is a whole scalar, or a slice of a string or list."""
+
+    fields: dict[str, Any]

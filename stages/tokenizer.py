@@ -53,6 +53,10 @@ _GENERIC_CLASSES = (None, "TokenizersBackend", "PreTrainedTokenizerFast")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+#: Texts at least this long are encoded through the GIL-releasing batch call (same ids).
+GIL_FREE_ENCODE_CHARS = 2048
+
+
 def _content(token: Any) -> str | None:
     """A special token as written in tokenizer_config.json: a string or a serialised AddedToken."""
     if isinstance(token, Mapping):
@@ -301,7 +305,12 @@ class Tokenizer:
 
     # -- text <-> ids ---------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        if len(text) < GIL_FREE_ENCODE_CHARS:
+            return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        # The batch call releases the GIL while it works (``encode`` holds it throughout), so a long
+        # text encoded in a worker thread does not stall the event loop's thread; no offsets needed.
+        batch = getattr(self._tokenizer, "encode_batch_fast", self._tokenizer.encode_batch)
+        return list(batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         """``tokenizer(text)["input_ids"]``, as with transformers (one text, no tensors)."""
