@@ -21,6 +21,8 @@ from stages.protocol import ReplyPart
 
 #: Upper bound of one part's pickled size (a quarter of the 4 MiB message limit).
 PART_BYTES = 1024 * 1024
+#: Items of a list costed at once when cutting it into parts.
+BLOCK = 8192
 #: Items of a list rendered between two yields to the event loop.
 RENDER_SLICE = 16384
 
@@ -28,6 +30,38 @@ RENDER_SLICE = 16384
 def _cost(item: Any) -> int:
     """Pickled size of one list item, from above (a str is at most 4 bytes a character)."""
     return 4 * len(item) + 9 if isinstance(item, str) else 16 if not isinstance(item, int | float | None) else 9
+
+
+def _block_cost(items: list[Any]) -> int:
+    """The cost of a block of items. Token ids and token strings are costed without a Python-level
+    loop over items; blocks stay small so that no single C call holds the GIL for long (this runs
+    beside the event loop's thread)."""
+    kinds = set(map(type, items))
+    if kinds <= {int, bool, float, type(None)}:
+        return 9 * len(items)
+    if kinds == {str}:
+        return 4 * sum(map(len, items)) + 9 * len(items)
+    return sum(map(_cost, items))
+
+
+def _fit(items: list[Any], start: int, room: int) -> tuple[int, int]:
+    """``(end, cost)`` of the longest slice ``items[start:end]`` whose cost fits ``room``: whole
+    blocks first, then item by item inside the block that does not fit when nothing else did."""
+    end, used = start, 0
+    while end < len(items):
+        stop = min(end + BLOCK, len(items))
+        cost = _block_cost(items[end:stop])
+        if used + cost <= room:
+            end, used = stop, used + cost
+            continue
+        if end == start:
+            for item in items[end:stop]:
+                cost = _cost(item)
+                if used + cost > room:
+                    break
+                end, used = end + 1, used + cost
+        break
+    return end, used
 
 
 def split_reply(reply: dict[str, Any], part_bytes: int = PART_BYTES) -> Iterator[ReplyPart]:
@@ -56,10 +90,7 @@ def split_reply(reply: dict[str, Any], part_bytes: int = PART_BYTES) -> Iterator
         elif isinstance(value, list):
             start = 0
             while True:
-                end, used = start, 16
-                while end < len(value) and used + _cost(value[end]) <= room:
-                    used += _cost(value[end])
-                    end += 1
+                end, used = _fit(value, start, room - 16)
                 if end == start < len(value):
                     if not part:
                         raise ValueError(f"one item of {key!r} is larger than a part")
@@ -67,7 +98,7 @@ def split_reply(reply: dict[str, Any], part_bytes: int = PART_BYTES) -> Iterator
                     part, room = {}, part_bytes
                     continue
                 part[key] = value[start:end]
-                room -= used
+                room -= used + 16
                 start = end
                 if start >= len(value):
                     break

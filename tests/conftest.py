@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -62,6 +63,30 @@ FAULTS_OPTIONS: dict[str, dict[str, Any]] = {
     "Preprocess": {"ray_actor_options": {"num_cpus": 0.1}},
     "Egress": {"ray_actor_options": {"num_cpus": 0.1}},
     "Engine": {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1, "health_check_timeout_s": 10},
+}
+
+
+#: API keys of the guarded app, fresh each session (so a leak into any log is unmistakable).
+GUARDED_KEYS: dict[str, str] = {name: f"sk-{name}-{secrets.token_urlsafe(18)}"
+                                for name in ("main", "other", "fuzz", "limited", "env")}
+#: The guarded configuration: API keys (one of them only in the Ingress's LIFECYCLE_API_KEYS), only
+#: /health open without one, 4 requests in flight per key, bodies up to the largest limit (3.5 MiB:
+#: enough to reach the 4 MiB message limit between deployments), and max_tokens at most 4 so
+#: fuzzing stays cheap. Quantised weights (the CPU default): nothing here compares greedy texts.
+GUARDED_ARGS: dict[str, Any] = {
+    "model": "embedded:smollm2-135m-instruct",
+    "engine": {"max_num_seqs": 8, "max_waiting_requests": 64, "max_num_batched_tokens": 256,
+               "kv_cache_memory_gb": 0.25, "num_threads": 1, "report_interval_s": 0.5},
+    "http": {"max_body_bytes": 3670016, "keepalive_interval_s": 0.5, "max_tokens_limit": 4,
+             "api_keys": [GUARDED_KEYS[k] for k in ("main", "other", "fuzz", "limited")],
+             "auth_exempt_paths": ["/health"], "max_concurrent_requests_per_key": 4},
+}
+GUARDED_OPTIONS: dict[str, dict[str, Any]] = {
+    "Ingress": {"ray_actor_options": {"num_cpus": 0.1,
+                                      "runtime_env": {"env_vars": {"LIFECYCLE_API_KEYS": GUARDED_KEYS["env"]}}}},
+    "Preprocess": {"ray_actor_options": {"num_cpus": 0.25}},
+    "Egress": {"ray_actor_options": {"num_cpus": 0.1}},
+    "Engine": {"ray_actor_options": {"num_cpus": 0.5}},
 }
 
 
@@ -158,8 +183,18 @@ def fault_app(serve_session: str) -> Iterator[ServeApp]:
     yield ServeApp(url=url, otlp=None, args=FAULTS_ARGS, session_dir=serve_session, name="faults")
 
 
+@pytest.fixture(scope="session")
+def serve_app_guarded(serve_session: str) -> Iterator[ServeApp]:
+    """The app with API keys and fuzzing-friendly limits (own name and route prefix, same Ray session)."""
+    request_log = os.path.join(tempfile.mkdtemp(prefix="lifecycle-test-guarded-"), "requests.jsonl")
+    args = {**GUARDED_ARGS, "http": {**GUARDED_ARGS["http"], "request_log_file": request_log}}
+    url = deploy_app(args, name="guarded", route_prefix="/guarded", options=GUARDED_OPTIONS)
+    yield ServeApp(url=url, otlp=None, args=args, session_dir=serve_session, request_log=request_log,
+                   name="guarded")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that use the real Serve app get the ``serve`` marker (``-m "not serve"`` skips them)."""
     for item in items:
-        if {"serve_app", "serve_app_replicas", "fault_app"} & set(getattr(item, "fixturenames", ())):
+        if {"serve_app", "serve_app_replicas", "fault_app", "serve_app_guarded"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.serve)

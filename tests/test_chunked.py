@@ -43,7 +43,7 @@ def test_a_big_tokenize_reply_is_cut_into_parts_under_a_mebibyte() -> None:
     reply = {"prompt": "é" * 1_000_000, "tokens": list(range(n)), "count": n, "max_model_len": 8192,
              "token_strs": [f"tok{i}" for i in range(n)]}
     parts = list(split_reply(reply))
-    assert 6 <= len(parts) <= 20
+    assert 6 <= len(parts) <= 30
     assert all(len(pickle.dumps(p)) <= 1024 * 1024 for p in parts)
     assert _join(parts) == reply
 
