@@ -117,7 +117,7 @@ def test_per_key_in_flight_limit_gives_429_and_frees_on_completion() -> None:
 
 
 def test_openapi_document_has_bounds_security_and_loads_in_schemathesis() -> None:
-    doc = build_openapi(version="1", max_tokens=8, max_body_bytes=65536, auth=True,
+    doc = build_openapi(version="1", model="m", max_tokens=8, max_body_bytes=65536, auth=True,
                         auth_exempt_paths=frozenset({"/health", "/metrics"}))
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert chat["max_tokens"]["anyOf"][0]["maximum"] == 8 and chat["n"]["maximum"] == 8
@@ -126,6 +126,6 @@ def test_openapi_document_has_bounds_security_and_loads_in_schemathesis() -> Non
     assert "401" in doc["paths"]["/v1/completions"]["post"]["responses"]
     ops = {op.label for op in (r.ok() for r in schemathesis.openapi.from_dict(doc).get_all_operations())}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /tokenize", "GET /openapi.json"} <= ops
-    open_doc = build_openapi(version="1", max_tokens=None, max_body_bytes=65536, auth=False)
+    open_doc = build_openapi(version="1", model="m", max_tokens=None, max_body_bytes=65536, auth=False)
     assert "security" not in open_doc
     assert "maximum" not in open_doc["components"]["schemas"]["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]

@@ -408,7 +408,7 @@ class Ingress:
             context = await self._max_model_len()
             limit = context - 1 if context else 0
         keys = self.api_keys
-        return JSONResponse(build_openapi(version=VERSION, max_tokens=limit or None,
+        return JSONResponse(build_openapi(version=VERSION, model=self.served_name, max_tokens=limit or None,
                                           max_body_bytes=self.cfg.http.max_body_bytes, auth=keys is not None,
                                           auth_exempt_paths=keys.exempt_paths if keys else frozenset()))
 

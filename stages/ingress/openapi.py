@@ -123,6 +123,13 @@ def _request_schemas() -> dict[str, Any]:
     defs["ChatMessage"]["properties"]["content"] = {
         "description": "Text, or a list of text parts (joined with newlines); only assistant messages may omit it.",
         "anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]}
+    defs["ChatMessage"]["anyOf"] = [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}}]
+    # Exactly one of the two, as the model's validator demands (null counts as absent).
+    defs["TokenizeRequest"]["oneOf"] = [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]
     return defs
 
 
@@ -142,11 +149,16 @@ def _json(ref: str) -> dict[str, Any]:
     return {_JSON: {"schema": {"$ref": _REF.format(model=ref)}}}
 
 
-def build_openapi(*, version: str, max_tokens: int | None, max_body_bytes: int, auth: bool,
+def build_openapi(*, version: str, model: str, max_tokens: int | None, max_body_bytes: int, auth: bool,
                   auth_exempt_paths: frozenset[str] = frozenset()) -> dict[str, Any]:
-    """The document. ``max_tokens``: the largest ``max_tokens`` a request may ask (``None``: unknown
-    right now, then no ``maximum``); ``auth``: whether API keys are on."""
+    """The document. ``model``: the served model name (the one ``model`` value accepted);
+    ``max_tokens``: the largest ``max_tokens`` a request may ask (``None``: unknown right now, then
+    no ``maximum``); ``auth``: whether API keys are on."""
     schemas = copy.deepcopy(_request_schemas())
+    for name in ("ChatCompletionRequest", "CompletionRequest"):
+        schemas[name]["properties"]["model"] = {"type": "string", "enum": [model]}
+    for name in ("TokenizeRequest", "DetokenizeRequest"):
+        schemas[name]["properties"]["model"] = {"anyOf": [{"type": "string", "enum": [model]}, {"type": "null"}]}
     if max_tokens is not None:
         for name in ("ChatCompletionRequest", "CompletionRequest"):
             for field in ("max_tokens", "max_completion_tokens"):
@@ -156,8 +168,13 @@ def build_openapi(*, version: str, max_tokens: int | None, max_body_bytes: int, 
                    DetokenizeResponse={"type": "object", "required": ["prompt"],
                                        "properties": {"prompt": {"type": "string"}}},
                    ModelList=_MODELS, Cancellation=_CANCELLATION)
-    sse = {"text/event-stream": {"schema": {"type": "string"},
-                                 "description": "data: chunks, then data: [DONE] (when stream is true)"}}
+    # Before OpenAPI 3.2, an event stream's ``schema`` describes one event.
+    sse = {"text/event-stream": {
+        "description": "When stream is true: one event per chunk (data: a JSON chunk object, or an error "
+                       "object after the 200), then data: [DONE]",
+        "schema": {"type": "object", "required": ["data"],
+                   "properties": {"data": {"type": "string", "minLength": 1}, "id": {"type": "string"},
+                                  "event": {"type": "string"}}}}}
     cancel_id = [{"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"},
                   "description": "A response id, the server id, or a client X-Request-Id"}]
     paths: dict[str, Any] = {
@@ -184,7 +201,9 @@ def build_openapi(*, version: str, max_tokens: int | None, max_body_bytes: int, 
         "openapi": "3.1.0",
         "info": {"title": "lifecycle-serve", "version": version,
                  "description": "OpenAI-compatible LLM inference server. Errors use the OpenAI shape "
-                                f"{{\"error\": {{message, type, param, code}}}}; bodies are at most {max_body_bytes} bytes."},
+                                f"{{\"error\": {{message, type, param, code}}}}; bodies are at most {max_body_bytes} "
+                                "bytes. Types are strict: an integer is written without a fraction (1, not 1.0), "
+                                "a number is not a string, and null means the field is absent."},
         "paths": paths,
         "components": {"schemas": schemas, "responses": {
             f"Error{s}": {"description": d, "content": _json("Error")} for s, d in _DESCRIPTIONS.items()}},
