@@ -122,12 +122,11 @@ def input_size(messages: list[dict[str, str]] | None, prompt: str | list[int] | 
 
 def replica_cpus() -> int:
     """Whole CPUs this replica may use (its Ray CPU share rounded up, at least 1, at most the host's)."""
-    try:
-        import ray
+    import ray
 
+    share = 1.0
+    if ray.is_initialized():  # (asking the runtime context otherwise starts or joins a cluster)
         share = float(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))
-    except Exception:  # noqa: BLE001 - outside Ray (unit tests)
-        share = 1.0
     return max(1, min(math.ceil(share), os.cpu_count() or 1))
 
 

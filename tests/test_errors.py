@@ -26,6 +26,7 @@ from stages.engine.errors import (
     RequestRejectedError,
 )
 from stages.errors import (
+    AuthenticationError,
     ContextLengthExceededError,
     EngineUnavailableError,
     InternalServerError,
@@ -48,6 +49,7 @@ from stages.ingress.errors import error_response, to_serve_error
 INSTANCES: list[ServeError] = [
     ServeError("boom", param="p", code="c", headers={"X-A": "1"}),
     InvalidRequestError("temperature: too hot", param="temperature"),
+    AuthenticationError("Incorrect API key provided."),
     ContextLengthExceededError(100, 50, 128, param="prompt"),
     ModelNotFoundError("gpt-9"),
     NotFoundError("Invalid URL (GET /v1/nope)"),
@@ -70,6 +72,7 @@ CONTRACT: dict[type[ServeError], tuple[int, str, str | None]] = {
     NotFoundError: (404, "invalid_request_error", None),
     MethodNotAllowedError: (405, "invalid_request_error", None),
     PayloadTooLargeError: (413, "invalid_request_error", None),
+    AuthenticationError: (401, "invalid_request_error", "invalid_api_key"),
     QueueFullError: (429, "requests", "rate_limit_exceeded"),
     EngineUnavailableError: (503, "service_unavailable", None),
     InternalServerError: (500, "internal_error", None),
