@@ -1,6 +1,6 @@
 """The HTTP edge: routes (:mod:`.app`), request lifecycle and cancel by id (:mod:`.lifecycle`), SSE
-relay (:mod:`.sse`), whole-app health and metrics (:mod:`.views`), and the one mapping of errors to
-HTTP (:mod:`.errors`)."""
+relay (:mod:`.sse`), whole-app health and metrics (:mod:`.views`), API keys (:mod:`.auth`), the
+OpenAPI document (:mod:`.openapi`), and the one mapping of errors to HTTP (:mod:`.errors`)."""
 
 from stages.ingress.app import Ingress
 
