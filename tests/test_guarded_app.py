@@ -237,3 +237,10 @@ def test_small_requests_beside_a_huge_one_keep_their_prep_time(serve_app_guarded
     print(f"prep ms: idle median {idle}, beside the 1 MB /tokenize {during}")
     assert max(during) <= idle + 50, (idle, during)
     assert len(during) >= 5, f"only {len(during)} small requests ran beside the huge one; the test proved little"
+
+
+def test_max_tokens_limit(serve_app_guarded: ServeApp) -> None:
+    err = _assert_openai_error(_small(serve_app_guarded, max_tokens=5), 400)
+    assert err["param"] == "max_tokens" and "at most 4" in err["message"]
+    r = _small(serve_app_guarded, max_tokens=None, ignore_eos=True)  # unset: stops at the limit, not the context
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

@@ -15,7 +15,6 @@ client still receives what was generated, ``finish_reason: "abort"`` and ``[DONE
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -44,6 +43,7 @@ from stages.errors import (
 from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
 from stages.ingress.errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
+from stages.ingress.limits import cap_max_tokens, check_max_tokens
 from stages.ingress.openapi import build_openapi
 from stages.ingress.sse import first_item, relay, sse_response
 from stages.ingress.views import (
@@ -66,7 +66,7 @@ from stages.openai_schema import (
     parse_request,
     to_sampling_params,
 )
-from stages.protocol import AbortRequest, EngineRequest, GenerationJob, PreprocessRequest, StreamSummary
+from stages.protocol import AbortRequest, GenerationJob, PreprocessRequest, StreamSummary
 from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -186,20 +186,6 @@ class Ingress:
         if model is not None and model != self.served_name:
             raise ModelNotFoundError(model)
 
-    def _check_max_tokens(self, req: ChatCompletionRequest | CompletionRequest) -> None:
-        limit = self.cfg.http.max_tokens_limit
-        if limit and (req.requested_max_tokens or 0) > limit:
-            field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-            raise InvalidRequestError(f"{field} is {req.requested_max_tokens}; this server allows at most {limit}.",
-                                      param=field)
-
-    def _cap_max_tokens(self, engine_request: EngineRequest) -> EngineRequest:
-        """With ``http.max_tokens_limit``, a request that asked no ``max_tokens`` stops there."""
-        limit, params = self.cfg.http.max_tokens_limit, engine_request.sampling_params
-        if not limit or params.max_tokens <= limit:
-            return engine_request
-        return dataclasses.replace(engine_request, sampling_params=dataclasses.replace(params, max_tokens=limit))
-
     def _deadline(self, live: LiveRequest) -> float | None:
         timeout = self.cfg.http.request_timeout_s
         return live.t0 + timeout if timeout else None
@@ -231,7 +217,7 @@ class Ingress:
             cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
             req = parse_request(cls, await self._read_body(request))
             self._check_model(req.model)
-            self._check_max_tokens(req)
+            check_max_tokens(req, self.cfg.http.max_tokens_limit)
             span.set_attributes({"gen_ai.request.model": req.model,
                                  "gen_ai.operation.name": "chat" if kind == "chat" else "text_completion",
                                  "gen_ai.request.max_tokens": req.requested_max_tokens or 0,
@@ -245,7 +231,7 @@ class Ingress:
                 trace_context=inject(span),
                 n=req.n,
             )
-            engine_request = self._cap_max_tokens(await self.preprocess.process.remote(pre))
+            engine_request = cap_max_tokens(await self.preprocess.process.remote(pre), self.cfg.http.max_tokens_limit)
             live.prep = time.perf_counter() - t_arrival
             live.prompt_text = engine_request.prompt_text
             job = GenerationJob(engine_request=engine_request, kind=kind, model_name=self.served_name,
