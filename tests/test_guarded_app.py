@@ -104,22 +104,21 @@ def test_official_client_with_api_key(serve_app_guarded: ServeApp) -> None:
 def test_cancel_by_id_only_reaches_the_creating_keys_requests(serve_app_guarded: ServeApp) -> None:
     url = serve_app_guarded.url
     label = f"guarded-{time.monotonic_ns()}"
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "max_tokens": 4, "stream": True}
-    with httpx.Client(timeout=60) as client, client.stream(
-            "POST", url + "/v1/chat/completions", json=body, headers={**_auth("main"), "X-Request-Id": label}) as r:
-        assert r.status_code == 200
-        response_id = r.headers["x-server-request-id"]
-        for key in (response_id, "chatcmpl-" + response_id, label):
-            other = client.post(f"{url}/v1/requests/{key}/cancel", headers=_auth("other"))
-            _assert_openai_error(other, 404, "request_not_found")  # not this key's request: not visible
-        mine = client.post(f"{url}/v1/requests/{label}/cancel", headers=_auth("main"))
-        finished = [line for line in r.iter_lines() if line.startswith("data: {")]
-    # The stream may have ended (max_tokens 4) before the cancel: then there was nothing to cancel.
-    assert mine.status_code in (200, 404)
-    if mine.status_code == 200:
-        assert [c["id"] for c in mine.json()["cancelled"]] == ["chatcmpl-" + response_id]
-    assert finished
+    # A request that stays live for a second or more: Preprocess tokenises 2 MB (then it is a 400).
+    body = {"model": MODEL_NAME, "prompt": _digits(2_000_000, seed=5), "max_tokens": 2}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, url + "/v1/completions", json=body,
+                              headers={**_auth("main"), "X-Request-Id": label}, timeout=120)
+        time.sleep(0.3)
+        other = httpx.post(f"{url}/v1/requests/{label}/cancel", headers=_auth("other"), timeout=30)
+        live = not pending.done()
+        mine = httpx.post(f"{url}/v1/requests/{label}/cancel", headers=_auth("main"), timeout=30)
+        still_live = not pending.done()
+        pending.result()
+    assert live and still_live, "the request ended before the cancels; the test proved nothing"
+    _assert_openai_error(other, 404, "request_not_found")  # another key's request: not visible to this one
+    assert mine.status_code == 200, mine.text
+    assert [c["x_request_id"] for c in mine.json()["cancelled"]] == [label]
 
 
 def test_fifth_request_of_one_key_in_flight_gets_429(serve_app_guarded: ServeApp) -> None:
