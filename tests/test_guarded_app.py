@@ -123,21 +123,20 @@ def test_cancel_by_id_only_reaches_the_creating_keys_requests(serve_app_guarded:
 
 def test_fifth_request_of_one_key_in_flight_gets_429(serve_app_guarded: ServeApp) -> None:
     url = serve_app_guarded.url
-    # Four /tokenize calls of 700 KB each queue in Preprocess's pool for a few seconds.
-    prompt = _digits(700_000, seed=1)
+    # Four requests whose 1.5 MB prompts queue in Preprocess's pool for seconds (then each is a 400:
+    # over the context), all with one key.
+    body = {"model": MODEL_NAME, "prompt": _digits(1_500_000, seed=1), "max_tokens": 1}
 
-    def slow() -> int:
-        return httpx.post(url + "/tokenize", json={"prompt": prompt}, headers=_auth("limited"), timeout=120).status_code
+    def held() -> int:
+        return httpx.post(url + "/v1/completions", json=body, headers=_auth("limited"), timeout=180).status_code
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        held = [pool.submit(slow) for _ in range(4)]
-        time.sleep(0.4)
+        four = [pool.submit(held) for _ in range(4)]
+        time.sleep(0.5)
         over = _small(serve_app_guarded, key="limited")
         beside = _small(serve_app_guarded, key="other")  # other keys are not affected
-        still_busy = not any(f.done() for f in held)
-        statuses = [f.result() for f in held]
-    assert statuses == [200] * 4 and beside.status_code == 200
-    assert still_busy, "the four held requests finished before the fifth was sent; the test proved nothing"
+        statuses = [f.result() for f in four]
+    assert statuses == [400] * 4 and beside.status_code == 200
     err = _assert_openai_error(over, 429, "rate_limit_exceeded")
     assert "limit is 4" in err["message"] and over.headers["retry-after"] == "1"
     assert _small(serve_app_guarded, key="limited").status_code == 200  # freed once they finished

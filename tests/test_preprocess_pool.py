@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,8 +21,10 @@ from stages.tokenizer import GIL_FREE_ENCODE_CHARS
 
 
 @pytest.fixture(scope="module")
-def pre() -> Any:
-    return PreprocessDeployment.func_or_class(EMBEDDED_MODEL, 0)  # the plain class, in this process
+def pre() -> Iterator[Any]:
+    interval = sys.getswitchinterval()  # the replica sets its own; give the test process its own back
+    yield PreprocessDeployment.func_or_class(EMBEDDED_MODEL, 0)  # the plain class, in this process
+    sys.setswitchinterval(interval)
 
 
 def _request(text: str) -> PreprocessRequest:

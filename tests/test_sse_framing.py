@@ -128,7 +128,7 @@ _BYTE_PIECES = sorted({i for ch in "é你好😀👍🏽🇯🇵Ω" for i in tok
 _ID = st.one_of(st.integers(0, 49151), st.sampled_from(_BYTE_PIECES), st.integers(0, 16))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(choices=st.lists(st.lists(_ID, max_size=30), min_size=1, max_size=3), kind=st.sampled_from(["chat", "completion"]),
        skip=st.booleans(), seed=st.integers(0, 2**32))
 def test_streamed_text_equals_one_shot_decode(choices: list[list[int]], kind: str, skip: bool, seed: int) -> None:

@@ -119,7 +119,7 @@ class AuthMiddleware:
         self.in_flight: dict[str, int] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):  # lifespan
             await self.app(scope, receive, send)
             return
         path = route_path(scope)
@@ -128,8 +128,10 @@ class AuthMiddleware:
         except AuthenticationError as exc:
             if path in self.keys.exempt_paths:
                 await self.app(scope, receive, send)
-                return
-            await error_response(exc)(scope, receive, send)
+            elif scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})  # policy violation
+            else:
+                await error_response(exc)(scope, receive, send)
             return
         scope.setdefault("state", {})[STATE_KEY] = kid
         limit = self.keys.max_concurrent_per_key
