@@ -13,6 +13,7 @@ Huge inputs: a 1 MB prompt to ``/tokenize`` answers 200 with every token (its re
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import glob
 import json
 import os
@@ -123,16 +124,16 @@ def test_cancel_by_id_only_reaches_the_creating_keys_requests(serve_app_guarded:
 
 def test_fifth_request_of_one_key_in_flight_gets_429(serve_app_guarded: ServeApp) -> None:
     url = serve_app_guarded.url
-    # Four requests whose 1.5 MB prompts queue in Preprocess's pool for seconds (then each is a 400:
+    # Four requests whose 2 MB prompts queue in Preprocess's pool for seconds (then each is a 400:
     # over the context), all with one key.
-    body = {"model": MODEL_NAME, "prompt": _digits(1_500_000, seed=1), "max_tokens": 1}
+    body = {"model": MODEL_NAME, "prompt": _digits(2_000_000, seed=1), "max_tokens": 1}
 
     def held() -> int:
         return httpx.post(url + "/v1/completions", json=body, headers=_auth("limited"), timeout=180).status_code
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         four = [pool.submit(held) for _ in range(4)]
-        time.sleep(0.5)
+        time.sleep(0.3)
         over = _small(serve_app_guarded, key="limited")
         beside = _small(serve_app_guarded, key="other")  # other keys are not affected
         statuses = [f.result() for f in four]
@@ -173,9 +174,10 @@ def test_no_key_appears_in_any_log_line(serve_app_guarded: ServeApp) -> None:
 
 
 # -- huge inputs --------------------------------------------------------------------------------------------
+@functools.cache
 def _digits(n: int, seed: int = 0) -> str:
-    # About one token per character: a 1 MB prompt is ~970k tokens, a /tokenize reply of ~5 MB.
-    return "".join(random.Random(seed).choice("0123456789 ,.") for _ in range(n))
+    # About one token per character: a 1 MB prompt is ~970k tokens, a /tokenize reply of ~10 MB.
+    return "".join(random.Random(seed).choices("0123456789 ,.", k=n))
 
 
 def test_megabyte_prompt_to_tokenize_is_answered_whole(serve_app_guarded: ServeApp) -> None:
