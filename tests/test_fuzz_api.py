@@ -98,3 +98,11 @@ def test_schemathesis_fuzzing_finds_no_server_error(serve_app_guarded: ServeApp)
         print(f"  {name}: {n}")
     assert total >= 400 and statuses[200] >= 100 and statuses[400] >= 50  # it reached both outcomes, often
     assert not any(s >= 500 for s in statuses)
+
+
+def test_openapi_of_the_keyless_app_bounds_max_tokens_by_the_context(serve_app: ServeApp) -> None:
+    doc = httpx.get(serve_app.url + "/openapi.json", timeout=30).json()  # no key needed: keys are off
+    context = httpx.get(serve_app.url + "/v1/models", timeout=30).json()["data"][0]["max_model_len"]
+    props = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert props["max_tokens"]["anyOf"][0]["maximum"] == context - 1 and "security" not in doc
+    assert doc["openapi"].startswith("3.")
