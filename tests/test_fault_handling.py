@@ -40,17 +40,21 @@ def test_injected_step_exception_fails_every_stream_and_kills_the_loop() -> None
     async def main() -> tuple[list[BaseException], str | None, bool]:
         faults = StepFaults(enabled=True)
         eng = AsyncEngine(make_engine(), faults=faults)
+        # Armed before the requests start, to fire 20 working steps in: the fake runner steps in
+        # microseconds, so arming on a consumer's first output raced the requests' own end (256
+        # tokens' room), and both streams could finish cleanly first.
+        faults.arm("step_exception", after_steps=20)
         eng.start()
 
         async def consume(rid: str) -> BaseException | None:
             try:
                 async for _ in eng.generate(EngineRequest(rid, [1, 2, 3], params(max_tokens=10_000))):
-                    faults.arm("step_exception")
+                    pass
             except BaseException as exc:  # noqa: BLE001 - what the stream ended with
                 return exc
             return None
 
-        errors = await asyncio.wait_for(asyncio.gather(consume("a"), consume("b")), 10)
+        errors = await asyncio.wait_for(asyncio.gather(consume("a"), consume("b")), 60)
         problem = eng.health_problem()
         with pytest.raises(EngineDeadError):
             async for _ in eng.generate(EngineRequest("c", [1], params(max_tokens=2))):
