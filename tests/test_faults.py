@@ -308,7 +308,9 @@ def test_egress_ends_a_stream_whose_reader_no_longer_exists(fault_app: ServeApp)
         try:
             async for _ in handle.stream.remote(job):
                 pass
-        except Exception as exc:  # noqa: BLE001 - how the stream ended
+        except BaseException as exc:  # noqa: BLE001 - how the stream ended: an error, or a cancel
+            # (Egress closes its engine call; depending on where that lands, the reader sees an
+            # error or the cancellation itself). Nobody reads such a stream; it only has to end.
             ended = type(exc).__name__
         return ended, time.monotonic() - t0
 
