@@ -132,7 +132,9 @@ def to_llguidance(spec: StructuredOutputSpec) -> str:
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "regex":
-        return LLMatcher.grammar_from_regex(spec.spec)
+        # ASCII classes (\\d is [0-9], \\w is [0-9A-Za-z_]), as JSON Schema patterns and xgrammar read them;
+        # Rust's Unicode classes would let a model write any script's digits.
+        return LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(spec.spec, 'dw')}/")
     if kind == "choice":
         return _choice_grammar(spec.spec, param)
     if kind == "grammar":
