@@ -132,7 +132,7 @@ def to_llguidance(spec: StructuredOutputSpec) -> str:
     if kind == "json_object":
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "regex":
-        # ASCII classes (\\d is [0-9], \\w is [0-9A-Za-z_]), as JSON Schema patterns and xgrammar read them;
+        # ASCII classes (\d is [0-9], \w is [0-9A-Za-z_]), as JSON Schema patterns and xgrammar read them;
         # Rust's Unicode classes would let a model write any script's digits.
         return LLMatcher.grammar_from_lark(f"start: /{llguidance.regex_to_lark(spec.spec, 'dw')}/")
     if kind == "choice":
@@ -197,6 +197,8 @@ class GrammarCompiler:
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.llg_tokenizer, limits=limits)
         if is_error:
             reason = messages[0] if messages else "unknown error"
+            if len(reason) > 1000:  # llguidance quotes the offending text, which may be the whole spec
+                reason = reason[:1000] + " ..."
             raise InvalidRequestError(f"the {spec.kind} could not be compiled: {reason}", param=spec.param,
                                       code="invalid_grammar")
         return GrammarSpec(kind=spec.kind, grammar=grammar, key=self.key(spec), tokenizer_hash=self.tokenizer_hash)

@@ -187,7 +187,8 @@ class ModelRunner:
         for req in samplers:
             if req.params.seed is not None and req.generator is None:
                 req.generator = Sampler.make_generator(req.params.seed, self.device)
-            rows.append(SamplingContext(req.params, req.prompt_token_ids, req.output_token_ids, req.generator))
+            rows.append(SamplingContext(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
+                                        constrained=req.grammar is not None))
         sampled = self.sampler.sample(logits.float(), rows, bitmask)
         return {req.request_id: out for req, out in zip(samplers, sampled, strict=True)}
 

@@ -35,6 +35,8 @@ class SamplingContext:
     #: ``None``. If a seeded row arrives without one, the sampler creates it and stores it here,
     #: and the caller must keep it for the next step.
     generator: torch.Generator | None = None
+    #: The row follows a structured-output grammar (its bitmask row is applied).
+    constrained: bool = False
 
 
 def _is_greedy(params: SamplingParams) -> bool:
@@ -105,7 +107,12 @@ def apply_token_restrictions(logits: torch.Tensor, rows: list[SamplingContext],
     if bitmask is not None:
         from stages.engine.structured import apply_bitmask
 
-        out = apply_bitmask(out, bitmask)
+        masked = [i for i, r in enumerate(rows) if r.constrained]
+        if len(masked) == len(rows):
+            out = apply_bitmask(out, bitmask)
+        elif masked:  # only the constrained rows pay for unpacking and masking
+            idx = torch.tensor(masked, device=out.device)
+            out[idx] = apply_bitmask(out[idx], bitmask[masked])
     vocab, device = out.shape[1], out.device
     for i, r in enumerate(rows):
         p = r.params

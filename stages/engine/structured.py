@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
+import numpy as np
 import torch
 from llguidance import LLMatcher
 
@@ -36,10 +37,6 @@ from stages.grammar import make_llg_tokenizer, tokenizer_digest, tokenizer_json
 from stages.protocol import GrammarSpec
 
 logger = logging.getLogger(__name__)
-
-#: Bit ``i`` of a bitmask word says whether token ``32 * word + i`` is allowed.
-_BITS = torch.arange(32, dtype=torch.int32)
-
 
 class GrammarState:
     """One request's matcher and how many of its output tokens it has consumed."""
@@ -190,10 +187,19 @@ class GrammarBackend:
         return bitmask
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` ``[n, V]`` with every token whose bit is 0 in ``bitmask`` ``[n, W]`` at ``-inf``."""
-    n, vocab = logits.shape
-    allowed = ((bitmask.to(logits.device)[:, :, None] >> _BITS.to(logits.device)) & 1).bool().view(n, -1)
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[n, vocab]`` bool (True: allowed) from ``[n, W]`` int32 words, bit ``i % 32`` of word
+    ``i // 32`` for token ``i``. numpy's ``unpackbits`` does this in one C loop (little-endian bytes,
+    little bit order); the same in torch shift-and-mask ops was 2-4x slower here."""
+    words = bitmask.cpu().numpy()
+    bits = np.unpackbits(words.view(np.uint8), axis=1, count=min(vocab, words.shape[1] * 32), bitorder="little")
+    allowed = torch.from_numpy(bits.view(np.bool_))
     if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the padding ids are never allowed
         allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    return logits.masked_fill(~allowed[:, :vocab], float("-inf"))
+    return allowed
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[n, V]`` with every token whose bit is 0 in ``bitmask`` ``[n, W]`` at ``-inf``."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
+    return logits.masked_fill(~allowed, float("-inf"))
