@@ -11,7 +11,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stages.engine.block_manager import BlockManager
@@ -73,6 +73,8 @@ class EngineStats:
     grammar_mask_seconds: float = 0.0
     grammar_templates_built: int = 0
     num_running_constrained: int = 0
+    #: ``[(le, cumulative count)]`` of per-step mask-fill seconds (empty without structured outputs).
+    grammar_mask_buckets: list[tuple[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -280,5 +282,5 @@ class LLMEngine:
             return {}
         m = g.mask_stats
         return {"grammar_mask_steps": m.steps, "grammar_mask_rows": m.rows, "grammar_mask_seconds": m.seconds,
-                "grammar_templates_built": g.templates_built,
+                "grammar_templates_built": g.templates_built, "grammar_mask_buckets": m.buckets(),
                 "num_running_constrained": sum(1 for r in self.scheduler.running if r.grammar is not None)}

@@ -19,12 +19,13 @@ the request's output tokens, and rolls back or replays to match when it has not.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
@@ -73,13 +74,32 @@ class GrammarState:
         return self.matcher.get_error() if self.matcher.is_error() else None
 
 
+#: Upper bounds (seconds) of the per-step mask-fill histogram.
+MASK_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1)
+
+
 @dataclass
 class MaskStats:
-    """Cumulative cost of filling masks (read by the engine's stats)."""
+    """Cumulative cost of filling masks (read by the engine's stats), with a per-step histogram."""
 
     steps: int = 0
     rows: int = 0
     seconds: float = 0.0
+    counts: list[int] = field(default_factory=lambda: [0] * (len(MASK_BUCKETS) + 1))
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self.steps += 1
+        self.rows += rows
+        self.seconds += seconds
+        self.counts[bisect.bisect_left(MASK_BUCKETS, seconds)] += 1
+
+    def buckets(self) -> list[tuple[str, int]]:
+        """``[(le, cumulative count)]`` including ``+Inf``."""
+        total, out = 0, []
+        for bound, count in zip([*map(str, MASK_BUCKETS), "+Inf"], self.counts, strict=True):
+            total += count
+            out.append((bound, total))
+        return out
 
 
 class GrammarBackend:
@@ -180,10 +200,7 @@ class GrammarBackend:
             state.sync(output_ids[i])
         self.executor.unsafe_compute_mask_ptr([(s.matcher, i) for s, i in rows], bitmask.data_ptr(),
                                               width * 4, len(states))
-        stats = self.mask_stats
-        stats.steps += 1
-        stats.rows += len(rows)
-        stats.seconds += time.perf_counter() - t0
+        self.mask_stats.observe(len(rows), time.perf_counter() - t0)
         return bitmask
 
 

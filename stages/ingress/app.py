@@ -235,6 +235,7 @@ class Ingress:
             )
             engine_request = cap_max_tokens(await self.preprocess.process.remote(pre), self.cfg.http.max_tokens_limit)
             live.prep = time.perf_counter() - t_arrival
+            self.metrics.observe_grammar(engine_request.upstream_timings)
             live.prompt_text = engine_request.prompt_text
             job = GenerationJob(engine_request=engine_request, kind=kind, model_name=self.served_name,
                                 response_id=live.response_id, created=int(time.time()), n=req.n,
