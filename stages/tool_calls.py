@@ -63,6 +63,9 @@ def forcing_grammar(tools: list[dict[str, Any]], tool_choice: Any, parallel: boo
             raise InvalidRequestError(f"tool_choice names function {name!r}, which is not in tools",
                                       param="tool_choice")
         call, repeat = _call_schema(matching[0]), ""
+    from stages.grammar import JSON_OPTIONS  # compact JSON, as for every schema (see there)
+
+    call = {**call, "x-guidance": JSON_OPTIONS}
     lark = (f'start: call{repeat}\n'
             f'call: "{TOOL_CALL_START}\\n" body "\\n{TOOL_CALL_END}"\n'
             f'body: %json {json.dumps(call)}\n')
