@@ -136,40 +136,57 @@ def shared_llg(tokenizer: Any, vocab: int, eos: list[int]) -> Any:
     return _LLG
 
 
-def _instance(i: int) -> str:
-    """A document matching ``LARGE`` or ``SMALL``-like prefixes: what matchers consume before a mask."""
-    return json.dumps({"city": f"Town{i}", "unit": "celsius", "days": 1 + i % 7}, separators=(", ", ": "))
+def large_instance(i: int) -> dict[str, Any]:
+    """A valid instance of ``LARGE`` (values vary with ``i``)."""
+    values = [f"name{i}", 40 + i, 1.5 + i, i % 2 == 0, "paid", f"ABC-{1000 + i}",
+              {"street": f"Main {i}", "city": "Oslo", "country": "DE"},
+              [{"sku": "abcd1234", "qty": 1 + i % 9}], "2024-01-02", None]
+    return {name: values[k % len(values)] for k, name in enumerate(LARGE["properties"])}
 
 
-def bench_mask(tokenizer: Any, vocab: int, eos: list[int]) -> dict[str, Any]:
+def small_instance(i: int) -> dict[str, Any]:
+    return {"city": f"Town{i}", "unit": "celsius", "days": 1 + i % 7}
+
+
+def bench_mask(tokenizer: Any, vocab: int, eos: list[int], steps: int = 40) -> dict[str, Any]:
+    """Per-step cost as in decoding: each step fills every row's mask, then each row's matcher
+    consumes the next token of its own valid document (so no step repeats a state)."""
     import torch
 
     from stages.engine.structured import GrammarBackend, apply_bitmask
-    from stages.grammar import GrammarCompiler
+    from stages.grammar import JSON_OPTIONS, GrammarCompiler
     from stages.protocol import StructuredOutputSpec
 
     compiler = GrammarCompiler(tokenizer, vocab, eos)
-    out: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
-    for name, schema in (("small", SMALL), ("large", LARGE)):
+    sep = (JSON_OPTIONS["item_separator"], JSON_OPTIONS["key_separator"])
+    out: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "steps": steps}
+    for name, schema, instance in (("small", SMALL, small_instance), ("large", LARGE, large_instance)):
         grammar = compiler.compile_sync(StructuredOutputSpec("json_schema", json.dumps(schema)))
         backend = GrammarBackend(tokenizer, vocab, eos)
         backend._llg = compiler.llg_tokenizer
         backend.build(grammar)
         for batch in (1, 32):
-            states, outputs = [], []
-            for i in range(batch):
-                state = backend.new_state(grammar)
-                # Advance each matcher a different distance into a valid document (mid-string,
-                # mid-number, between keys), so the masks are not all the first-token mask.
-                prefix = ('{"city": "' + f"Town{i}"[: 1 + i % 5]) if name == "small" else '{"field_00": "ab'
-                ids = tokenizer.encode(prefix, add_special_tokens=False)
-                state.sync(ids)
-                states.append(state)
-                outputs.append(ids)
-            logits = torch.randn(batch, vocab)
-            fill = _median_ms(lambda s=states, o=outputs: backend.fill_bitmask(s, o), 50)
-            bitmask = backend.fill_bitmask(states, outputs)
-            apply = _median_ms(lambda b=bitmask: apply_bitmask(logits, b), 50)
+            docs = [tokenizer.encode(json.dumps(instance(i), separators=sep), add_special_tokens=False)
+                    for i in range(batch)]
+            states = [backend.new_state(grammar) for _ in range(batch)]
+            fills, applies = [], []
+            base = torch.randn(batch, vocab)
+            for step in range(steps):
+                outputs = [d[:step % len(d)] for d in docs]
+                for j, d in enumerate(docs):
+                    if step % len(d) == 0:
+                        states[j] = backend.new_state(grammar)  # document done: start the next one
+                logits = base.clone()
+                t0 = time.perf_counter()
+                bitmask = backend.fill_bitmask(states, outputs)
+                t1 = time.perf_counter()
+                apply_bitmask(logits, bitmask)
+                fills.append(t1 - t0)
+                applies.append(time.perf_counter() - t1)
+                for state, d in zip(states, docs, strict=True):
+                    ok = state.accept(d[step % len(d)])
+                    assert ok, state.error
+            fill, apply = statistics.median(fills) * 1000, statistics.median(applies) * 1000
             out[f"{name}_b{batch}"] = {"fill_ms": fill, "apply_ms": apply, "total_ms": fill + apply}
     return out
 

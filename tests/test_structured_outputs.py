@@ -232,5 +232,5 @@ def test_compile_span_cache_hit_engine_attribute_and_metrics(serve_app: ServeApp
             break
         time.sleep(0.5)
     for cache in ("hit", "miss"):
-        assert re.search(r'lifecycle:grammar_compile_seconds_count\{[^}]*cache="%s"[^}]*\} [1-9]' % cache, text)
+        assert re.search(r'lifecycle:grammar_compile_seconds_count\{[^}]*cache="' + cache + r'"[^}]*\} [1-9]', text)
     assert re.search(r"lifecycle:grammar_mask_fill_seconds_count\{[^}]*\} [1-9]", text)

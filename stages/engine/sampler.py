@@ -109,7 +109,7 @@ def apply_token_restrictions(logits: torch.Tensor, rows: list[SamplingContext],
 
         masked = [i for i, r in enumerate(rows) if r.constrained]
         if len(masked) == len(rows):
-            out = apply_bitmask(out, bitmask)
+            apply_bitmask(out, bitmask)
         elif masked:  # only the constrained rows pay for unpacking and masking
             idx = torch.tensor(masked, device=out.device)
             out[idx] = apply_bitmask(out[idx], bitmask[masked])

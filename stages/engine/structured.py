@@ -204,19 +204,21 @@ class GrammarBackend:
         return bitmask
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``[n, vocab]`` bool (True: allowed) from ``[n, W]`` int32 words, bit ``i % 32`` of word
-    ``i // 32`` for token ``i``. numpy's ``unpackbits`` does this in one C loop (little-endian bytes,
-    little bit order); the same in torch shift-and-mask ops was 2-4x slower here."""
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int, *, invert: bool = False) -> torch.Tensor:
+    """``[n, vocab]`` bool (True: allowed; with ``invert``, True: masked out) from ``[n, W]`` int32
+    words, bit ``i % 32`` of word ``i // 32`` for token ``i``. numpy's ``unpackbits`` does this in one
+    C loop (little-endian bytes, little bit order); torch shift-and-mask ops were 2-4x slower here."""
     words = bitmask.cpu().numpy()
+    if invert:
+        words = ~words  # 1/32 of the work of inverting the unpacked mask
     bits = np.unpackbits(words.view(np.uint8), axis=1, count=min(vocab, words.shape[1] * 32), bitorder="little")
-    allowed = torch.from_numpy(bits.view(np.bool_))
-    if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the padding ids are never allowed
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
-    return allowed
+    out = torch.from_numpy(bits.view(np.bool_))
+    if out.shape[1] < vocab:  # logits wider than the tokenizer: the padding ids are never allowed
+        out = torch.nn.functional.pad(out, (0, vocab - out.shape[1]), value=invert)
+    return out
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """``logits`` ``[n, V]`` with every token whose bit is 0 in ``bitmask`` ``[n, W]`` at ``-inf``."""
-    allowed = unpack_bitmask(bitmask, logits.shape[1]).to(logits.device, non_blocking=True)
-    return logits.masked_fill(~allowed, float("-inf"))
+    """Set to ``-inf``, in place, every logit of ``[n, V]`` whose bit is 0 in ``bitmask`` ``[n, W]``."""
+    masked = unpack_bitmask(bitmask, logits.shape[1], invert=True).to(logits.device, non_blocking=True)
+    return logits.masked_fill_(masked, float("-inf"))
