@@ -102,9 +102,9 @@ def _free(app: ServeApp, stream: bool) -> str:
 
 @pytest.fixture(scope="module")
 def outputs(serve_app: ServeApp) -> dict[str, Any]:
-    """Every schema non-streamed (4 at a time), then every schema streamed, all 10 at once beside
+    """Every schema non-streamed (8 at a time), then every schema streamed, all 10 at once beside
     two unconstrained requests (8 run together in the engine; the rest queue)."""
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
         plain = list(pool.map(lambda i: _complete(serve_app, i), range(len(SCHEMAS))))
     with concurrent.futures.ThreadPoolExecutor(12) as pool:
         free = [pool.submit(_free, serve_app, s) for s in (True, False)]
@@ -141,7 +141,7 @@ def test_json_object_regex_choice_and_aliases(serve_app: ServeApp) -> None:
     c = client.completions.create(model=MODEL_NAME, prompt="The answer is", temperature=0, max_tokens=10,
                                   extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert c.choices[0].text in ("yes", "no")
-    r = client.chat.completions.create(model=MODEL_NAME, temperature=0, max_tokens=60,
+    r = client.chat.completions.create(model=MODEL_NAME, temperature=0, max_tokens=40,
                                        messages=[{"role": "user", "content": "Describe a cat as JSON."}],
                                        response_format={"type": "json_object"})
     if r.choices[0].finish_reason == "stop":
