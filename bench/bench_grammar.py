@@ -212,28 +212,45 @@ def bench_throughput(rounds: int, streams: int, max_tokens: int) -> dict[str, An
         f"p{i}", SamplingParams(), None, messages=[{"role": "user", "content": f"Tell story number {i}."}]
     )).prompt_token_ids for i in range(streams)]
     results: dict[str, list[float]] = {"none": [], "constrained": []}
-    for r in range(rounds):
-        for mode in ("none", "constrained"):
+    shares: list[float] = []
+    cpu: dict[str, list[float]] = {"none": [], "constrained": []}
+    for r in range(-1, rounds):  # round -1 warms up (first-call costs in torch and llguidance), not counted
+        for mode in ("none", "constrained") if r % 2 else ("constrained", "none"):
             for i, prompt in enumerate(prompts):
                 params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
                 engine.add_request(f"{mode}-{r}-{i}", prompt, params,
                                    grammar=grammar if mode == "constrained" else None)
             first_decode = None
             tokens = 0
+            mask_before = 0.0
             while engine.has_unfinished():
                 outs = engine.step()
                 decoding = [o for o in outs if o.new_token_ids]
                 if first_decode is None and len(decoding) == streams:
                     first_decode = time.perf_counter()  # every stream has its first token: decode begins
+                    cpu_before = time.process_time()  # this process's CPU, all threads: less load-sensitive
+                    mask_before = engine.grammars.mask_stats.seconds
                     continue
                 if first_decode is not None:
                     tokens += sum(len(o.new_token_ids) for o in decoding)
-            results[mode].append(tokens / (time.perf_counter() - first_decode))
-            print(f"round {r} {mode}: {results[mode][-1]:.1f} tok/s", flush=True)
+            elapsed = time.perf_counter() - first_decode
+            cpu_ms_per_token = (time.process_time() - cpu_before) / tokens * 1000
+            rate = tokens / elapsed
+            share = (engine.grammars.mask_stats.seconds - mask_before) / elapsed
+            if r >= 0:
+                results[mode].append(rate)
+                cpu[mode].append(cpu_ms_per_token)
+                if mode == "constrained":
+                    shares.append(share)
+            print(f"round {r} {mode}: {rate:.1f} tok/s, {cpu_ms_per_token:.2f} CPU ms/token, "
+                  f"mask fill {share:.1%} of decode time", flush=True)
     none, constrained = statistics.median(results["none"]), statistics.median(results["constrained"])
     return {"streams": streams, "max_tokens": max_tokens, "rounds": rounds, "weights": engine.runner.weights,
             "tok_s": results, "median_none": none, "median_constrained": constrained,
-            "ratio": constrained / none, "mask": engine.stats().grammar_mask_seconds}
+            "ratio": constrained / none, "ratios_per_round": [c / n for c, n in zip(
+                results["constrained"], results["none"], strict=True)],
+            "cpu_ms_per_token": cpu, "cpu_ratio": statistics.median(cpu["constrained"]) / statistics.median(cpu["none"]),
+            "mask_fill_share_of_decode": statistics.median(shares) if shares else None}
 
 
 def main() -> None:
