@@ -8,9 +8,9 @@ cache bounded in bytes and keyed by a digest of the spec and the tokenizer, so a
 costs a dictionary lookup.
 
 Why llguidance (BENCHMARKS.md "Structured outputs"): it has no Python dependencies (xgrammar pulls
-torch; these replicas deliberately never import it), and it compiles a 60-field schema in ~6 ms on
-this CPU against ~45 ms for xgrammar and ~16 s for outlines-core, because its lexer is built
-lazily rather than by walking the whole vocabulary up front.
+torch; these replicas deliberately never import it), and it compiles a 60-field schema in 5.5-6.7 ms
+on this CPU against 30-123 ms for xgrammar and 5.6-8.1 s for outlines-core, because its lexer is
+built lazily rather than by walking the whole vocabulary up front.
 
 Compilation runs on a small thread pool (llguidance releases the GIL while it builds), never on
 the event loop, under a timeout; the spec's size and the grammar's size are bounded too. Past
