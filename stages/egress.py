@@ -170,7 +170,7 @@ class Egress:
                 content, calls = parse_tool_calls(text)
                 text = content  # None when the output was only calls, as OpenAI answers
                 if calls and finish == "stop" and job.tool_parsing in ("auto", "required"):
-                    finish = "tool_calls"
+                    finish = summary.finish_reasons[c.index] = "tool_calls"  # the log and metrics agree
             rendered.append({"index": c.index, "text": text, "finish_reason": finish, "logprobs": lp,
                              "tool_calls": calls})
         return full_response(job.kind, job.response_id, job.created, job.model_name, rendered,

@@ -251,3 +251,20 @@ def test_bitmask_masks_only_constrained_rows() -> None:
     sampled = [t for t, _ in Sampler().sample(logits, [_ctx(), SamplingContext(
         SamplingParams(temperature=1.0, seed=3), [1], [], constrained=True)], bitmask)]
     assert sampled[1] == 5
+
+
+def test_a_failing_mask_fill_ends_the_request_instead_of_the_engine(tokenizer, vocab, compiler) -> None:
+    engine, _ = make_engine(tokenizer, vocab)
+    _add(engine, compiler, "r", [1, 2, 3], _json_spec())
+
+    class Broken:
+        def unsafe_compute_mask_ptr(self, *args):
+            raise RuntimeError("boom")
+
+    engine.grammars.executor = Broken()
+    engine.add_request("free", [4, 5, 6], _params(5))
+    tokens, reasons = run_all(engine)
+    # Only EOS was allowed; the grammar cannot end there, so the request is ended (and counted), not
+    # given output that breaks its schema; its unconstrained neighbour and the engine go on.
+    assert tokens.get("r", []) == [] and reasons["r"] == "abort" and engine.grammar_violations == 1
+    assert reasons["free"] == "length" and len(tokens["free"]) == 5

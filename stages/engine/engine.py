@@ -229,15 +229,16 @@ class LLMEngine:
                 logger.error("request %s: token %d broke its grammar: %s", req.request_id, token_id,
                              req.grammar.error)
                 status: RequestStatus | None = RequestStatus.FINISHED_ABORTED
+                emitted, lps = [], None  # the offending token is not sent
             else:
                 status = req.check_stop(self.max_model_len)
-            lps = [logprob] if logprob is not None else None
+                emitted, lps = [token_id], ([logprob] if logprob is not None else None)
             if status is not None:
                 self.scheduler.finish(req, status)
-                outputs.append(self._final_output(req, [token_id], lps))
+                outputs.append(self._final_output(req, emitted, lps))
                 self._retire(req)
             else:
-                outputs.append(EngineOutput(req.request_id, [token_id], lps,
+                outputs.append(EngineOutput(req.request_id, emitted, lps,
                                           num_prompt_tokens=req.num_prompt_tokens,
                                           num_cached_tokens=max(req.num_cached_tokens, 0),
                                           timings=req.timings() if first else {}))

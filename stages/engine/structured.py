@@ -121,6 +121,10 @@ class GrammarBackend:
         self.executor = llguidance.LLExecutor(mask_threads)
         self.mask_stats = MaskStats()
         self.templates_built = 0
+        self.eos_token_ids = list(eos_token_ids)
+
+    def _eos_only(self) -> torch.Tensor:
+        return _eos_mask(self.n_vocab, self.eos_token_ids)
 
     @classmethod
     def for_model(cls, model: str, n_vocab: int, eos_token_ids: list[int]) -> GrammarBackend:
@@ -196,12 +200,24 @@ class GrammarBackend:
         t0 = time.perf_counter()
         width = (self.n_vocab + 31) // 32
         bitmask = torch.full((len(states), width), -1, dtype=torch.int32)
-        for state, i in rows:
-            state.sync(output_ids[i])
-        self.executor.unsafe_compute_mask_ptr([(s.matcher, i) for s, i in rows], bitmask.data_ptr(),
-                                              width * 4, len(states))
+        try:
+            for state, i in rows:
+                state.sync(output_ids[i])
+            self.executor.unsafe_compute_mask_ptr([(s.matcher, i) for s, i in rows], bitmask.data_ptr(),
+                                                  width * 4, len(states))
+        except Exception:  # noqa: BLE001 - never take the step loop down: end these requests instead
+            logger.exception("filling structured-output masks failed; the constrained rows may only end")
+            bitmask[[i for _, i in rows]] = self._eos_only()
         self.mask_stats.observe(len(rows), time.perf_counter() - t0)
         return bitmask
+
+
+def _eos_mask(n_vocab: int, eos_token_ids: list[int]) -> torch.Tensor:
+    """One bitmask row allowing only the EOS tokens."""
+    row = torch.zeros((n_vocab + 31) // 32, dtype=torch.int64)
+    for t in eos_token_ids:
+        row[t // 32] |= 1 << (t % 32)
+    return row.to(torch.int32)  # bit 31 wraps to the sign bit, as the int32 words hold it
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int, *, invert: bool = False) -> torch.Tensor:
