@@ -192,7 +192,13 @@ class GrammarCompiler:
     def compile_sync(self, spec: StructuredOutputSpec) -> GrammarSpec:
         """Build and validate the grammar (no cache); raises :class:`InvalidRequestError`."""
         self._check_size(spec)
-        grammar = to_llguidance(spec)
+        try:
+            grammar = to_llguidance(spec)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - llguidance's converters raise plain errors on bad input
+            raise InvalidRequestError(f"the {spec.kind} could not be compiled: {exc}"[:1000], param=spec.param,
+                                      code="invalid_grammar") from None
         limits = llguidance.LLParserLimits(max_grammar_size=self.limits.max_grammar_size, verbose_errors=False)
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.llg_tokenizer, limits=limits)
         if is_error:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stages.errors import InvalidRequestError
 from stages.protocol import StructuredOutputSpec
@@ -198,6 +198,12 @@ class ToolFields(BaseModel):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ToolFields:
+        if not self.tools and self.tool_choice not in (None, "none", "auto"):
+            raise InvalidRequestError("tool_choice requires tools", param="tool_choice")
+        return self
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template sees them (``None`` when there are none, or ``tool_choice`` is none)."""
