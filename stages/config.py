@@ -127,6 +127,17 @@ class TracingSettings(_Strict):
     record_content: bool = False
 
 
+class StructuredOutputSettings(_Strict):
+    """Grammar compilation in Preprocess (see :class:`stages.grammar.GrammarLimits`); past a limit
+    the request is a 400."""
+
+    max_spec_bytes: int = Field(64 * 1024, ge=1)
+    compile_timeout_s: float = Field(5.0, gt=0)
+    max_grammar_size: int = Field(200_000, ge=1)
+    cache_bytes: int = Field(32 * 1024 * 1024, ge=0)
+    compile_threads: int = Field(2, ge=1)
+
+
 class AppConfig(_Strict):
     """Everything ``build_app`` needs."""
 
@@ -138,6 +149,7 @@ class AppConfig(_Strict):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    structured_outputs: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:

@@ -45,6 +45,7 @@ from stages.protocol import (
     StreamSummary,
 )
 from stages.telemetry import get_tracer, span_from_context
+from stages.tool_calls import ToolCallStreamParser, parse_tool_calls
 
 
 class EngineStream:
@@ -76,6 +77,8 @@ class _Choice:
     num_cached_tokens: int = 0
     engine_timings: dict[str, float] = field(default_factory=dict)
     first: bool = True
+    #: Streaming with tools: splits the text into content and ``<tool_call>`` blocks.
+    tool_parser: ToolCallStreamParser | None = None
 
 
 class Egress:
@@ -96,6 +99,8 @@ class Egress:
         detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
                                        stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
         choice = _Choice(index, req.choice_ids()[index], detok)
+        if job.tool_parsing is not None and job.stream:
+            choice.tool_parser = ToolCallStreamParser()
         if job.echo and req.prompt_text:
             choice.text.append(req.prompt_text)
         return choice
@@ -125,10 +130,19 @@ class Egress:
         if not job.stream:
             c.text.append(text)
             return None
-        if not text and finish is None and lp_body is None and not c.first:
+        calls = None
+        if c.tool_parser is not None:
+            text, calls = c.tool_parser.feed(text)
+            if finish is not None:
+                text += c.tool_parser.finish()
+            if c.tool_parser.num_calls and not text.strip():
+                text = ""  # the newlines between and after calls are not content
+            if finish == "stop" and c.tool_parser.num_calls and job.tool_parsing in ("auto", "required"):
+                finish = c.finish_reason = "tool_calls"
+        if not text and finish is None and lp_body is None and not c.first and not calls:
             return None
         chunk = stream_chunk(job.kind, job.response_id, job.created, job.model_name, c.index, text,
-                             first=c.first, finish_reason=finish, logprobs=lp_body)
+                             first=c.first, finish_reason=finish, logprobs=lp_body, tool_calls=calls)
         c.first = False
         return chunk
 
@@ -151,8 +165,14 @@ class Egress:
                 prefix = len(c.text[0]) if job.echo and c.text else 0
                 lp = (self.logprob_fmt.chat(c.logprobs) if job.kind == "chat"
                       else self.logprob_fmt.completion(c.logprobs, prefix))
-            rendered.append({"index": c.index, "text": "".join(c.text), "finish_reason": c.finish_reason or "abort",
-                             "logprobs": lp})
+            text, finish, calls = "".join(c.text), c.finish_reason or "abort", None
+            if job.tool_parsing is not None:
+                content, calls = parse_tool_calls(text)
+                text = content  # None when the output was only calls, as OpenAI answers
+                if calls and finish == "stop" and job.tool_parsing in ("auto", "required"):
+                    finish = summary.finish_reasons[c.index] = "tool_calls"  # the log and metrics agree
+            rendered.append({"index": c.index, "text": text, "finish_reason": finish, "logprobs": lp,
+                             "tool_calls": calls})
         return full_response(job.kind, job.response_id, job.created, job.model_name, rendered,
                              usage(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens))
 

@@ -87,11 +87,17 @@ def _envelope(kind: str, response_id: str, created: int, model: str, streamed: b
 
 def stream_chunk(kind: str, response_id: str, created: int, model: str, index: int, text: str, *,
                  first: bool = False, finish_reason: str | None = None,
-                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed choice delta. The first chat delta carries the role."""
+                 logprobs: dict[str, Any] | None = None,
+                 tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One streamed choice delta. The first chat delta carries the role; ``tool_calls`` are whole
+    calls (``index``, ``id``, ``type``, ``function.name`` and all of ``function.arguments``)."""
     body = _envelope(kind, response_id, created, model, streamed=True)
     if kind == "chat":
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+            if not text:
+                delta["content"] = None
         choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": finish_reason}
     else:
@@ -118,7 +124,10 @@ def full_response(kind: str, response_id: str, created: int, model: str,
     out = []
     for c in sorted(choices, key=lambda c: c["index"]):
         if kind == "chat":
-            out.append({"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+            message: dict[str, Any] = {"role": "assistant", "content": c["text"]}
+            if c.get("tool_calls"):
+                message["tool_calls"] = c["tool_calls"]
+            out.append({"index": c["index"], "message": message,
                         "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]})
         else:
             out.append({"index": c["index"], "text": c["text"], "logprobs": c.get("logprobs"),

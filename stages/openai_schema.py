@@ -13,6 +13,12 @@ Conventions, chosen for compatibility with the official ``openai`` client and wi
   prompt log-probabilities, so that combination is a 400.
 * Several prompts in one completions request (a batch) are a 400 for now.
 * Text content parts are joined with ``"\\n"`` (as vLLM does); any other part type is a 400.
+* Every field of the official ``openai`` package's request types is supported, rejected with a 400
+  that names it (:data:`REJECTED_FIELDS`), or accepted and ignored as the README lists
+  (:data:`IGNORED_FIELDS`); ``tests/test_openai_fields.py`` checks the installed client against this.
+* Structured outputs: ``response_format`` (OpenAI), ``structured_outputs`` (vLLM's current field)
+  and the legacy ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``; at
+  most one constraint per request (``tool_choice`` forcing a call counts as one).
 
 Every validation failure surfaces from :func:`parse_request` as an
 :class:`~stages.errors.InvalidRequestError` whose ``param`` is the offending field's dotted path.
@@ -26,6 +32,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from stages.errors import InvalidRequestError
+from stages.openai_fields import StructuredFields, ToolFields, reject_unsupported
 from stages.protocol import MAX_TOP_LOGPROBS, SamplingParams
 
 #: Largest ``n`` accepted; every choice is a full sequence in the engine.
@@ -57,12 +64,29 @@ class StreamOptions(_Base):
     include_usage: bool = False
 
 
+class FunctionCall(_Base):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Base):
+    """A tool call an assistant message made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Base):
     """One chat message. ``content`` is normalised to a string (text parts joined)."""
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | None = None
     name: str | None = None
+    #: An assistant turn's earlier calls (multi-turn tool use), passed to the chat template.
+    tool_calls: list[ToolCall] | None = None
+    #: A ``tool`` message answers the call with this id.
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="plain")
     @classmethod
@@ -90,7 +114,7 @@ class ChatMessage(_Base):
         return self
 
 
-class _RequestBase(_Base):
+class _RequestBase(_Base, StructuredFields):
     """Sampling and streaming fields shared by chat and text completions."""
 
     model: str
@@ -116,6 +140,12 @@ class _RequestBase(_Base):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unsupported(cls, data: Any) -> Any:
+        reject_unsupported(data)
+        return data
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_to_list(cls, v: Any) -> Any:
@@ -132,7 +162,7 @@ class _RequestBase(_Base):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
 
-class ChatCompletionRequest(_RequestBase):
+class ChatCompletionRequest(_RequestBase, ToolFields):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -301,14 +331,36 @@ def to_sampling_params(
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=req.logit_bias_ids(),
+        allowed_token_ids=list(req.allowed_token_ids) if req.allowed_token_ids is not None else None,
     )
 
 
-def messages_to_dicts(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, str]]:
-    """``[{"role", "content"}]`` ready for a chat template; ``developer`` becomes ``system``."""
+def messages_to_dicts(req: ChatCompletionRequest | TokenizeRequest) -> list[dict[str, Any]]:
+    """``[{"role", "content", ...}]`` ready for a chat template; ``developer`` becomes ``system``.
+
+    An assistant turn's ``tool_calls`` carry their arguments as objects, as tool-aware templates
+    expect (they render them with ``tojson``); a ``tool`` turn keeps its ``tool_call_id``.
+    """
     if req.messages is None:
         raise InvalidRequestError("messages are required", param="messages")
-    return [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
-        for m in req.messages
-    ]
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments, f"messages.{i}.tool_calls")}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def _arguments(text: str, param: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidRequestError("tool call arguments must be a JSON string", param=param) from None

@@ -28,9 +28,11 @@ from ray import serve
 
 from stages.chunked import split_reply
 from stages.errors import ContextLengthExceededError, InvalidRequestError
+from stages.grammar import GrammarCompiler, GrammarLimits
 from stages.model_info import load_cpu_tokenizer, model_info
 from stages.protocol import EngineRequest, PreprocessRequest, ReplyPart
 from stages.telemetry import get_tracer, span_from_context
+from stages.tool_calls import forcing_grammar, template_supports_tools
 
 
 class Preprocessor:
@@ -41,13 +43,22 @@ class Preprocessor:
         info = model_info(model, tokenizer=self.tokenizer)
         self.max_model_len = max_model_len or info.max_model_len
         self.vocab_size = len(self.tokenizer)
+        #: Logits width: masks and token-id checks follow the model, which may pad its vocabulary.
+        self.model_vocab_size = max(info.vocab_size, self.vocab_size)
+        self.eos_token_ids = list(info.eos_token_ids)
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Apply the chat template: the exact text the model will see."""
-        if not getattr(self.tokenizer, "chat_template", None):
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """Apply the chat template: the exact text the model will see (with ``tools``, when given)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions", param="messages")
+        if tools and not template_supports_tools(template):
+            raise InvalidRequestError("this model's chat template has no tool support, so tools cannot be shown "
+                                      "to it; send the request without tools", param="tools",
+                                      code="tools_not_supported")
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, tools=tools or None,
                                                       add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # template errors (e.g. unsupported role order) are the client's
             raise InvalidRequestError(f"chat template failed: {exc}", param="messages") from exc
@@ -60,7 +71,7 @@ class Preprocessor:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         if req.messages is not None:
-            prompt_text: str | None = self.render(req.messages, req.add_generation_prompt)
+            prompt_text: str | None = self.render(req.messages, req.add_generation_prompt, req.tools)
             t1 = time.perf_counter()
             timings["template"] = t1 - t0
             # The template already wrote every special token (BOS included when the model uses one).
@@ -84,10 +95,29 @@ class Preprocessor:
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise ContextLengthExceededError(n, max_tokens, self.max_model_len,
                                              param="messages" if req.messages is not None else "prompt")
-        params = dataclasses.replace(req.sampling_params, max_tokens=max_tokens if max_tokens is not None else room)
+        params = dataclasses.replace(req.sampling_params, max_tokens=max_tokens if max_tokens is not None else room,
+                                     bad_words_token_ids=self._bad_words(req.bad_words))
+        self._check_token_ids(params)
         return EngineRequest(request_id=req.request_id, prompt_token_ids=token_ids, sampling_params=params,
                              trace_context=req.trace_context, prompt_text=prompt_text, n=req.n,
                              upstream_timings=timings)
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token sequences, alone and after a space (as vLLM bans them)."""
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip()):
+                ids = self.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def _check_token_ids(self, params: Any) -> None:
+        for param, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = [t for t in ids if not 0 <= t < self.model_vocab_size]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                          f"(0..{self.model_vocab_size - 1})", param=param)
 
     def tokenize(self, *, prompt: str | None, messages: list[dict[str, str]] | None,
                  add_generation_prompt: bool, add_special_tokens: bool) -> dict[str, Any]:
@@ -146,11 +176,14 @@ class PreprocessDeployment:
     """
 
     def __init__(self, model: str, max_model_len: int, tracing: dict[str, Any] | None = None,
-                 directory: Any = None) -> None:
+                 directory: Any = None, structured_outputs: dict[str, Any] | None = None) -> None:
         from stages.telemetry import configure_tracing
 
         configure_tracing(tracing, component="preprocess")
         self.pre = Preprocessor(model, max_model_len or None)
+        self.grammars = GrammarCompiler(self.pre.tokenizer, self.pre.model_vocab_size, self.pre.eos_token_ids,
+                                        GrammarLimits(**(structured_outputs or {})))
+        self.grammars.warm_up()
         self.directory = directory
         self._limit_checked = -LIMIT_REFRESH_S
         self._pool = ThreadPoolExecutor(max_workers=replica_cpus(), thread_name_prefix="preprocess")
@@ -181,10 +214,12 @@ class PreprocessDeployment:
         with span_from_context(get_tracer(), "preprocess", req.trace_context,
                                {"lifecycle.request_id": req.request_id}) as span:
             out = await self._run(input_size(req.messages, req.prompt), self.pre.process, req)
+            tokenized_ns = time.time_ns()
+            await compile_grammar(self.grammars, req, out)
             span.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
             # Template and tokenise as child spans with their measured durations.
             if span.is_recording():
-                _child_spans(span, out.upstream_timings)
+                _child_spans(span, out.upstream_timings, tokenized_ns)
             return out
 
     async def ping(self) -> bool:
@@ -206,8 +241,30 @@ class PreprocessDeployment:
             yield part
 
 
-def _child_spans(parent: Any, timings: dict[str, float]) -> None:
-    """Emit ``chat_template`` and ``tokenize`` spans back to back inside ``parent``."""
+async def compile_grammar(compiler: GrammarCompiler, req: PreprocessRequest, out: EngineRequest) -> None:
+    """Compile the request's output constraint (its own, or the one ``tool_choice`` forces) into
+    ``out.grammar``, in a ``grammar_compile`` span that says whether the cache had it."""
+    spec = req.structured
+    if req.tools:
+        forced = forcing_grammar(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if forced is not None and spec is not None:
+            raise InvalidRequestError(f"tool_choice forces a tool call, so {spec.param} cannot also constrain "
+                                      "the output", param=spec.param)
+        spec = spec or forced
+    if spec is None:
+        return
+    with get_tracer().start_as_current_span("grammar_compile", attributes={
+            "lifecycle.grammar.kind": spec.kind, "lifecycle.grammar.param": spec.param}) as span:
+        out.grammar, hit, seconds = await compiler.compile(spec)
+        span.set_attribute("lifecycle.grammar.cache_hit", hit)
+        span.set_attribute("lifecycle.grammar.key", out.grammar.key)
+    out.upstream_timings["grammar_compile"] = seconds
+    out.upstream_timings["grammar_cache_hit"] = 1.0 if hit else 0.0
+
+
+def _child_spans(parent: Any, timings: dict[str, float], end_ns: int) -> None:
+    """Emit ``chat_template`` and ``tokenize`` spans back to back inside ``parent``, ending at ``end_ns``."""
     from stages.telemetry import emit_timed_children
 
-    emit_timed_children(parent, [("chat_template", timings.get("template")), ("tokenize", timings.get("tokenize"))])
+    emit_timed_children(parent, [("chat_template", timings.get("template")), ("tokenize", timings.get("tokenize"))],
+                        end_ns)

@@ -39,6 +39,13 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    #: OpenAI ``logit_bias``: token id -> value added to its logit (-100..100) before sampling.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    #: vLLM ``allowed_token_ids``: when set, every other token is masked out.
+    allowed_token_ids: list[int] | None = None
+    #: vLLM ``bad_words`` as token sequences (Preprocess tokenises them): the last token of a
+    #: sequence is banned whenever the output ends with the tokens before it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +60,52 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+    @property
+    def has_token_restrictions(self) -> bool:
+        """True when ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+
+#: Structured-output kinds a client can ask for (``response_format``, ``structured_outputs``,
+#: the legacy ``guided_*`` fields, and tool calls forced by ``tool_choice``).
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
+
+
+@dataclass
+class StructuredOutputSpec:
+    """What the client asked the output to match, before compilation (Ingress → Preprocess).
+
+    ``spec`` is text: a JSON schema (``json_schema``, ``tool_call``), a JSON list of strings
+    (``choice``), a regular expression (``regex``), a Lark or GBNF grammar (``grammar``), or empty
+    (``json_object``). ``param`` is the request field it came from, named in a 400 when it does
+    not compile.
+    """
+
+    kind: str
+    spec: str
+    param: str = "response_format"
+
+
+@dataclass
+class GrammarSpec:
+    """A compiled, validated grammar on its way to the engine (Preprocess → Egress → Engine).
+
+    ``grammar`` is llguidance's serialised grammar, already checked against the tokenizer whose
+    digest is ``tokenizer_hash``; the engine builds its matcher from it off the step loop and keeps
+    it by ``key`` (a digest of the client's spec and the tokenizer), so a repeated schema costs
+    nothing there either.
+    """
+
+    kind: str
+    grammar: str
+    key: str
+    tokenizer_hash: str
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate bytes held by this entry (what the Preprocess cache counts)."""
+        return len(self.grammar) + len(self.key) + len(self.tokenizer_hash) + 64
 
 
 @dataclass
@@ -91,6 +144,8 @@ class EngineRequest:
     #: Ray actor name of the replica reading the engine stream (Egress): the engine aborts the
     #: request if that replica dies (:mod:`stages.liveness`).
     consumer: str = ""
+    #: Structured output: every choice's tokens must match this grammar (``None``: unconstrained).
+    grammar: GrammarSpec | None = None
 
     def choice_ids(self) -> list[str]:
         """The engine request id of every choice, in choice order."""
@@ -161,11 +216,20 @@ class PreprocessRequest:
     request_id: str
     sampling_params: SamplingParams
     requested_max_tokens: int | None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     add_generation_prompt: bool = True
     trace_context: dict[str, str] = field(default_factory=dict)
     n: int = 1
+    #: Structured output to compile (``None``: unconstrained).
+    structured: StructuredOutputSpec | None = None
+    #: OpenAI ``tools`` (function definitions) rendered into the prompt by the chat template.
+    tools: list[dict[str, Any]] | None = None
+    #: ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    #: vLLM ``bad_words``: Preprocess tokenises them into ``SamplingParams.bad_words_token_ids``.
+    bad_words: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -183,6 +247,10 @@ class GenerationJob:
     echo: bool = False
     #: Ray actor name of the Ingress replica reading the Egress stream (:mod:`stages.liveness`).
     consumer: str = ""
+    #: Parse Hermes-style ``<tool_call>`` blocks out of the output into ``tool_calls``:
+    #: ``"auto"``/``"required"`` (finish reason ``tool_calls`` when there are any), ``"named"``
+    #: (finish reason ``stop``, as OpenAI does for a forced function), ``None`` (no tools).
+    tool_parsing: str | None = None
 
 
 # -- Egress → Ingress -------------------------------------------------------------------------------

@@ -193,8 +193,31 @@ def serve_app_guarded(serve_session: str) -> Iterator[ServeApp]:
                    name="guarded")
 
 
+#: The tool-calling app: a tiny random-weight model with a tools-aware template (tests/tools_model.py).
+TOOLS_ARGS: dict[str, Any] = {
+    "engine": {"max_num_seqs": 4, "max_waiting_requests": 8, "max_num_batched_tokens": 256,
+               "kv_cache_memory_gb": 0.05, "num_threads": 1, "weights": "float32", "report_interval_s": 0.5},
+    "http": {"max_body_bytes": 65536, "keepalive_interval_s": 0.5},
+}
+TOOLS_OPTIONS: dict[str, dict[str, Any]] = {
+    name: {"ray_actor_options": {"num_cpus": 0.1}} for name in ("Ingress", "Preprocess", "Egress", "Engine")}
+
+
+@pytest.fixture(scope="session")
+def serve_app_tools(serve_session: str) -> Iterator[ServeApp]:
+    """The app serving the tiny tools model (its own name and route prefix, same Ray session)."""
+    from stages.model_info import cache_root
+    from tests.tools_model import build_tools_model
+
+    model_dir = build_tools_model(cache_root() / "test-models" / "tiny-hermes-tools")
+    args = {**TOOLS_ARGS, "model": str(model_dir), "served_model_name": "tiny-tools"}
+    url = deploy_app(args, name="tools", route_prefix="/tools", options=TOOLS_OPTIONS)
+    yield ServeApp(url=url, otlp=None, args=args, session_dir=serve_session, name="tools")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that use the real Serve app get the ``serve`` marker (``-m "not serve"`` skips them)."""
     for item in items:
-        if {"serve_app", "serve_app_replicas", "fault_app", "serve_app_guarded"} & set(getattr(item, "fixturenames", ())):
+        fixtures = {"serve_app", "serve_app_replicas", "fault_app", "serve_app_guarded", "serve_app_tools"}
+        if fixtures & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.serve)

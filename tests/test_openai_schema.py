@@ -234,7 +234,8 @@ def test_text_parts_joined_and_roles() -> None:
         {"role": "system", "content": "a\nb"},
         {"role": "user", "content": "q"},
         {"role": "assistant", "content": ""},
-        {"role": "tool", "content": "42"},
+        # A tool result keeps the id of the call it answers (tool-aware templates render it).
+        {"role": "tool", "content": "42", "tool_call_id": "t1"},
     ]
 
 

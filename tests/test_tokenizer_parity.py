@@ -276,6 +276,11 @@ def test_cpu_stages_never_import_transformers() -> None:
         " add_special_tokens=False)\n"
         "Egress(load_cpu_tokenizer(EMBEDDED_MODEL), None)\n"
         "model_info(EMBEDDED_MODEL)\n"
+        # Structured outputs compile in Preprocess too (llguidance has no torch underneath).
+        "from stages.grammar import GrammarCompiler\n"
+        "from stages.protocol import StructuredOutputSpec\n"
+        "GrammarCompiler(p.tokenizer, p.model_vocab_size, p.eos_token_ids).compile_sync("
+        "StructuredOutputSpec('json_object', ''))\n"
         "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)

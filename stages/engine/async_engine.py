@@ -29,7 +29,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.engine.engine import EngineStats, LLMEngine
-from stages.engine.errors import DuplicateRequestIdError, EngineDeadError, EngineError, EngineOverloadedError
+from stages.engine.errors import (
+    DuplicateRequestIdError,
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    RequestRejectedError,
+)
 from stages.engine.faults import StepFaults
 from stages.protocol import EngineOutput, EngineRequest, TokenLogprob
 
@@ -67,6 +73,8 @@ class _Group:
     finished: set[str] = field(default_factory=set)
     #: Siblings aborted before they were ever added.
     dropped: set[str] = field(default_factory=set)
+    #: The structured-output matcher template, built before choice 0 is added (never on the step thread).
+    grammar_template: Any = None
 
 
 def merge_outputs(request_id: str, outs: list[EngineOutput]) -> EngineOutput:
@@ -229,7 +237,12 @@ class AsyncEngine:
         for rid in ids:
             if rid in self._groups:
                 raise DuplicateRequestIdError(f"engine request id {rid!r} is already in use")
-        group = _Group(request, ids, _Stream())
+        template = None
+        if request.grammar is not None:
+            if self.engine.grammars is None:
+                raise RequestRejectedError("structured outputs are not available on this engine")
+            template = await self.engine.grammars.prepare(request.grammar)  # on a worker thread
+        group = _Group(request, ids, _Stream(), grammar_template=template)
         for rid in ids:
             self._groups[rid] = group
         self._add(group, 0)
@@ -266,7 +279,8 @@ class AsyncEngine:
         params = req.sampling_params
         if index and params.seed is not None:  # distinct choices from one seed: seed + index
             params = dataclasses.replace(params, seed=params.seed + index)
-        self._send("add", (rid, index, req, params, len(group.ids) if index == 0 else 0, time.monotonic()))
+        self._send("add", (rid, index, req, params, len(group.ids) if index == 0 else 0, time.monotonic(),
+                           group.grammar_template))
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` (no-op if unknown or finished). Its stream ends with a final
@@ -303,7 +317,7 @@ class AsyncEngine:
                     self.abort_latency.observe(latency)
 
     def _deliver_add(self, rid: str, index: int, request: EngineRequest, params: Any, admit: int,
-                     arrival: float) -> None:
+                     arrival: float, grammar_template: Any = None) -> None:
         """Runs on the step thread, so the queue check sees the scheduler's exact waiting count."""
         try:
             waiting = len(self.engine.scheduler.waiting)
@@ -312,7 +326,8 @@ class AsyncEngine:
                 raise EngineOverloadedError(
                     f"The server is busy: {waiting} requests are waiting (limit {self.max_waiting}). "
                     "Retry later.", replica=self.replica, retry_after=1.0)
-            req = self.engine.add_request(rid, request.prompt_token_ids, params, arrival)
+            req = self.engine.add_request(rid, request.prompt_token_ids, params, arrival, grammar=request.grammar,
+                                          grammar_template=grammar_template)
             req.trace = request.trace_context or None
             if index == 0:
                 # An empty first item says "accepted": callers can commit to a 200 response now and

@@ -11,14 +11,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stages.engine.block_manager import BlockManager
 from stages.engine.errors import DuplicateRequestIdError, PromptTooLongError, RequestRejectedError
 from stages.engine.request import EventType, Request, RequestStatus
 from stages.engine.scheduler import Scheduler, SchedulerConfig
-from stages.protocol import EngineOutput, SamplingParams, TokenLogprob
+from stages.protocol import EngineOutput, GrammarSpec, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,14 @@ class EngineStats:
     generation_tokens_total: int
     finished_total: dict[str, int]
     num_steps: int
+    #: Structured outputs: steps that filled masks, rows masked, seconds spent filling.
+    grammar_mask_steps: int = 0
+    grammar_mask_rows: int = 0
+    grammar_mask_seconds: float = 0.0
+    grammar_templates_built: int = 0
+    num_running_constrained: int = 0
+    #: ``[(le, cumulative count)]`` of per-step mask-fill seconds (empty without structured outputs).
+    grammar_mask_buckets: list[tuple[str, int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,7 +84,9 @@ class LLMEngine:
     """Owns the scheduler, the block manager and the model runner."""
 
     def __init__(self, config: EngineConfig, runner: Any, eos_token_ids: list[int], vocab_size: int,
-                 model_max_len: int) -> None:
+                 model_max_len: int, grammars: Any = None) -> None:
+        """``grammars`` (a :class:`~stages.engine.structured.GrammarBackend`) enables structured
+        outputs; without it a request with a grammar is rejected."""
         self.config = config
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -107,6 +117,9 @@ class LLMEngine:
         #: Called with every request as it leaves the engine (finished or aborted), on the
         #: thread that drives ``step()``; used for tracing. Must be cheap.
         self.on_finish: Callable[[Request], None] | None = None
+        self.grammars = grammars
+        #: Requests ended because a sampled token broke their grammar (a bug if ever non-zero).
+        self.grammar_violations = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -122,16 +135,24 @@ class LLMEngine:
             num_threads=config.num_threads,
             weights=config.weights, model=config.model,
         ), load_config(config.model), load_state_dict(config.model))
-        return cls(config, runner, info.eos_token_ids, info.vocab_size, info.max_model_len)
+        from stages.engine.structured import GrammarBackend
+
+        grammars = GrammarBackend.for_model(config.model, info.vocab_size, info.eos_token_ids)
+        return cls(config, runner, info.eos_token_ids, info.vocab_size, info.max_model_len, grammars)
 
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> Request:
+                    arrival_time: float | None = None, grammar: GrammarSpec | None = None,
+                    grammar_template: Any = None) -> Request:
         """Validate and enqueue a tokenised request.
+
+        ``grammar`` constrains the output; its matcher template must already be built
+        (``grammars.prepare``, off this thread), or be passed as ``grammar_template``: this method
+        runs on the step thread and never compiles.
 
         Raises :class:`DuplicateRequestIdError` for a live id, :class:`PromptTooLongError` when the
         prompt leaves no room to generate, :class:`RequestRejectedError` for anything else that can
-        never run."""
+        never run (a grammar that is not built here among them)."""
         if request_id in self.requests:
             raise DuplicateRequestIdError(f"request id {request_id!r} is already in use")
         n = len(prompt_token_ids)
@@ -143,8 +164,14 @@ class LLMEngine:
             raise RequestRejectedError(f"token ids must be in [0, {self.vocab_size})")
         if params.max_tokens < 1:
             raise RequestRejectedError("max_tokens must be >= 1")
+        state = None
+        if grammar is not None:
+            if self.grammars is None:
+                raise RequestRejectedError("structured outputs are not available on this engine")
+            state = self.grammars.new_state(grammar, grammar_template)
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
                       **({"arrival_time": arrival_time} if arrival_time is not None else {}))
+        req.grammar = state
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
@@ -174,7 +201,8 @@ class LLMEngine:
         if sched.is_empty:
             return outputs
         self.num_steps += 1
-        sampled = self.runner.execute(sched.scheduled)
+        sampled = (self.runner.execute(sched.scheduled, self.grammars) if self.grammars is not None
+                   else self.runner.execute(sched.scheduled))
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
@@ -194,14 +222,23 @@ class LLMEngine:
             if first:
                 self.prompt_tokens_total += req.num_prompt_tokens
                 self.recent_ttfts.append(now - req.arrival_time)
-            status = req.check_stop(self.max_model_len)
-            lps = [logprob] if logprob is not None else None
+            if req.grammar is not None and not req.grammar.accept(token_id):
+                # Cannot happen while the mask is applied; end the request rather than emit output
+                # that breaks the grammar the client asked for.
+                self.grammar_violations += 1
+                logger.error("request %s: token %d broke its grammar: %s", req.request_id, token_id,
+                             req.grammar.error)
+                status: RequestStatus | None = RequestStatus.FINISHED_ABORTED
+                emitted, lps = [], None  # the offending token is not sent
+            else:
+                status = req.check_stop(self.max_model_len)
+                emitted, lps = [token_id], ([logprob] if logprob is not None else None)
             if status is not None:
                 self.scheduler.finish(req, status)
-                outputs.append(self._final_output(req, [token_id], lps))
+                outputs.append(self._final_output(req, emitted, lps))
                 self._retire(req)
             else:
-                outputs.append(EngineOutput(req.request_id, [token_id], lps,
+                outputs.append(EngineOutput(req.request_id, emitted, lps,
                                           num_prompt_tokens=req.num_prompt_tokens,
                                           num_cached_tokens=max(req.num_cached_tokens, 0),
                                           timings=req.timings() if first else {}))
@@ -237,4 +274,14 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             finished_total=dict(self.finished_total),
             num_steps=self.num_steps,
+            **self._grammar_stats(),
         )
+
+    def _grammar_stats(self) -> dict[str, Any]:
+        g = self.grammars
+        if g is None:
+            return {}
+        m = g.mask_stats
+        return {"grammar_mask_steps": m.steps, "grammar_mask_rows": m.rows, "grammar_mask_seconds": m.seconds,
+                "grammar_templates_built": g.templates_built, "grammar_mask_buckets": m.buckets(),
+                "num_running_constrained": sum(1 for r in self.scheduler.running if r.grammar is not None)}

@@ -7,9 +7,11 @@ of block ``b``). Knows nothing about queues or request lifecycles.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -86,6 +88,7 @@ class ModelRunner:
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.args.num_layers)]
         self.sampler = Sampler(self.device)
+        self._masks: concurrent.futures.ThreadPoolExecutor | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -163,18 +166,33 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, ordered
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledRequest]) -> dict[str, tuple[int, TokenLogprob | None]]:
+    def execute(self, batch: list[ScheduledRequest], grammars: Any = None
+                ) -> dict[str, tuple[int, TokenLogprob | None]]:
         """Run the forward pass for ``batch`` and sample for every sequence whose chunk ends its
-        known tokens. Returns ``{request_id: (token_id, logprob)}``."""
+        known tokens. Returns ``{request_id: (token_id, logprob)}``.
+
+        ``grammars`` (a :class:`~stages.engine.structured.GrammarBackend`) fills the structured-output
+        masks of the sampling rows while the model runs (llguidance works without the GIL)."""
         input_ids, meta, ordered = self.prepare(batch)
-        logits = self.model(input_ids, meta, self.kv_caches)
         samplers = [s.request for s in ordered if s.samples]
+        mask_future = None
+        if grammars is not None and any(r.grammar is not None for r in samplers):
+            mask_future = self._mask_pool().submit(grammars.fill_bitmask, [r.grammar for r in samplers],
+                                                   [r.output_token_ids for r in samplers])
+        logits = self.model(input_ids, meta, self.kv_caches)
+        bitmask = mask_future.result() if mask_future is not None else None
         if not samplers:
             return {}
         rows = []
         for req in samplers:
             if req.params.seed is not None and req.generator is None:
                 req.generator = Sampler.make_generator(req.params.seed, self.device)
-            rows.append(SamplingContext(req.params, req.prompt_token_ids, req.output_token_ids, req.generator))
-        sampled = self.sampler.sample(logits.float(), rows)
+            rows.append(SamplingContext(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
+                                        constrained=req.grammar is not None))
+        sampled = self.sampler.sample(logits.float(), rows, bitmask)
         return {req.request_id: out for req, out in zip(samplers, sampled, strict=True)}
+
+    def _mask_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._masks is None:
+            self._masks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._masks

@@ -92,6 +92,8 @@ class Request:
     events: list[RequestEvent] = field(default_factory=list)
     #: Opaque per-request span handle owned by the engine's tracing hook.
     trace: Any = None
+    #: Structured output: the request's :class:`~stages.engine.structured.GrammarState` (opaque here).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -160,6 +162,8 @@ class Request:
         if last in params.stop_token_ids:
             self.stop_token_id = last
             return RequestStatus.FINISHED_STOPPED
+        if self.grammar is not None and self.grammar.is_finished:
+            return RequestStatus.FINISHED_STOPPED  # the output is complete: nothing more is allowed
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -1,7 +1,7 @@
 """Token sampler: turns the last-position logits of a batch into one token id per row.
 
-Order per step, as in vLLM: penalties on the raw logits -> temperature -> top-k/top-p -> min-p ->
-sample. Each stage is vectorised with per-row parameter tensors over only the rows that need it,
+Order per step, as in vLLM: token restrictions (the structured-output bitmask, ``allowed_token_ids``,
+``bad_words``, ``logit_bias``) -> penalties -> temperature -> top-k/top-p -> min-p -> sample. Each stage is vectorised with per-row parameter tensors over only the rows that need it,
 so a batch of plain requests pays for none of it. An all-greedy batch without penalties or
 logprobs (the common decode step) is one argmax and one ``.tolist()``.
 
@@ -35,6 +35,8 @@ class SamplingContext:
     #: ``None``. If a seeded row arrives without one, the sampler creates it and stores it here,
     #: and the caller must keep it for the next step.
     generator: torch.Generator | None = None
+    #: The row follows a structured-output grammar (its bitmask row is applied).
+    constrained: bool = False
 
 
 def _is_greedy(params: SamplingParams) -> bool:
@@ -93,6 +95,43 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def apply_token_restrictions(logits: torch.Tensor, rows: list[SamplingContext],
+                             bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """A copy of ``logits`` ``[n, V]`` with each row's token restrictions applied.
+
+    ``bitmask`` ``[n, ceil(V/32)]`` (structured outputs; all ones for free rows) masks first, then
+    ``allowed_token_ids`` and ``bad_words`` mask to ``-inf``, then ``logit_bias`` is added (OpenAI:
+    -100 effectively bans a token, 100 effectively forces it, among the tokens still allowed).
+    """
+    out = logits.clone()
+    if bitmask is not None:
+        from stages.engine.structured import apply_bitmask
+
+        masked = [i for i, r in enumerate(rows) if r.constrained]
+        if len(masked) == len(rows):
+            apply_bitmask(out, bitmask)
+        elif masked:  # only the constrained rows pay for unpacking and masking
+            idx = torch.tensor(masked, device=out.device)
+            out[idx] = apply_bitmask(out[idx], bitmask[masked])
+    vocab, device = out.shape[1], out.device
+    for i, r in enumerate(rows):
+        p = r.params
+        if not p.has_token_restrictions:
+            continue
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=device)
+            keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=device)] = True
+            out[i].masked_fill_(~keep, float("-inf"))
+        banned = [seq[-1] for seq in p.bad_words_token_ids
+                  if len(seq) == 1 or r.output_token_ids[-(len(seq) - 1):] == seq[:-1]]
+        if banned:
+            out[i, torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
+            out[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=device)
+    return out
+
+
 class Sampler:
     """Picks the next token of every row of a batch; stateless apart from the target device."""
 
@@ -107,29 +146,35 @@ class Sampler:
         generator.manual_seed(seed)
         return generator
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingContext]
+    def sample(self, logits: torch.Tensor, rows: list[SamplingContext], bitmask: torch.Tensor | None = None
                ) -> list[tuple[int, TokenLogprob | None]]:
         """Sample one token per row of ``logits`` ``[B, V]``; row ``i`` is described by ``rows[i]``.
 
+        ``bitmask`` (structured outputs) is ``[B, ceil(V/32)]``, one bit per allowed token.
         Returns ``(token_id, logprob)`` per row; ``logprob`` is ``None`` unless the row asked for
-        logprobs, which are the log-softmax of the raw logits (before penalties and temperature).
+        logprobs, which are the log-softmax of the raw logits (before any restriction, penalty or
+        temperature, as vLLM reports them by default).
         """
+        restricted = None
+        if bitmask is not None or any(r.params.has_token_restrictions for r in rows):
+            restricted = apply_token_restrictions(logits.float(), rows, bitmask)
         if all(_is_greedy(r.params) and r.params.logprobs is None and not r.params.has_penalties
                for r in rows):
             # Decode hot path: no per-row tensor work, one device sync.
-            return [(t, None) for t in logits.argmax(dim=-1).tolist()]
-        return self._sample_general(logits, rows)
+            x = logits if restricted is None else restricted
+            return [(t, None) for t in x.argmax(dim=-1).tolist()]
+        return self._sample_general(logits, rows, restricted)
 
-    def _sample_general(self, logits: torch.Tensor, rows: list[SamplingContext]
-                        ) -> list[tuple[int, TokenLogprob | None]]:
+    def _sample_general(self, logits: torch.Tensor, rows: list[SamplingContext],
+                        restricted: torch.Tensor | None = None) -> list[tuple[int, TokenLogprob | None]]:
         raw = logits.float()
         device = raw.device
-        x = raw
+        x = raw if restricted is None else restricted
         penalised = [i for i, r in enumerate(rows) if r.params.has_penalties]
         if penalised:
             idx = torch.tensor(penalised, device=device)
-            x = raw.clone()  # raw stays untouched: logprobs are reported on it
-            x[idx] = apply_penalties(raw[idx], [rows[i] for i in penalised])
+            x = x.clone()  # raw stays untouched: logprobs are reported on it
+            x[idx] = apply_penalties(x[idx], [rows[i] for i in penalised])
         sampled = [i for i, r in enumerate(rows) if not _is_greedy(r.params)]
         if len(sampled) == len(rows):
             tokens = self._draw(x, rows)

@@ -45,6 +45,8 @@ class EngineTracer:
                  "gen_ai.response.finish_reasons": [req.finish_reason or "abort"],
                  "lifecycle.cached_tokens": max(req.num_cached_tokens, 0),
                  "lifecycle.preemptions": req.num_preemptions}
+        if req.grammar is not None:
+            attrs["lifecycle.structured_output"] = req.grammar.kind
         root = tracer.start_span("engine", context=extract(carrier), start_time=ns(req.arrival_time),
                                  attributes=attrs)
         if not root.is_recording():

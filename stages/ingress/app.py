@@ -56,6 +56,7 @@ from stages.ingress.views import (
 from stages.liveness import own_actor_name
 from stages.metrics import IngressMetrics, RequestRecord, render_app
 from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
+from stages.openai_fields import preprocess_fields, tool_parsing
 from stages.openai_format import TIMING_FIELD, server_timing_header
 from stages.openai_schema import (
     ChatCompletionRequest,
@@ -230,14 +231,17 @@ class Ingress:
                 prompt=None if kind == "chat" else req.prompt,
                 trace_context=inject(span),
                 n=req.n,
+                **preprocess_fields(req),  # structured outputs, tools, bad_words
             )
             engine_request = cap_max_tokens(await self.preprocess.process.remote(pre), self.cfg.http.max_tokens_limit)
             live.prep = time.perf_counter() - t_arrival
+            self.metrics.observe_grammar(engine_request.upstream_timings)
             live.prompt_text = engine_request.prompt_text
             job = GenerationJob(engine_request=engine_request, kind=kind, model_name=self.served_name,
                                 response_id=live.response_id, created=int(time.time()), n=req.n,
                                 stream=req.stream, include_usage=req.include_usage,
-                                echo=getattr(req, "echo", False), consumer=self.actor_name)
+                                echo=getattr(req, "echo", False), consumer=self.actor_name,
+                                tool_parsing=tool_parsing(req))
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
             live.dispatched_at = time.perf_counter()
