@@ -166,14 +166,20 @@ def serve_app(serve_session: str) -> Iterator[ServeApp]:
         otlp.close()
 
 
+def _named_app(session_dir: str, base_args: dict[str, Any], name: str,
+               options: dict[str, dict[str, Any]]) -> ServeApp:
+    """Deploy one more app into the session's Ray/Serve (name ``name`` at ``/name``), with its own
+    request log."""
+    request_log = os.path.join(tempfile.mkdtemp(prefix=f"lifecycle-test-{name}-"), "requests.jsonl")
+    args = {**base_args, "http": {**base_args["http"], "request_log_file": request_log}}
+    url = deploy_app(args, name=name, route_prefix=f"/{name}", options=options)
+    return ServeApp(url=url, otlp=None, args=args, session_dir=session_dir, request_log=request_log, name=name)
+
+
 @pytest.fixture(scope="session")
 def serve_app_replicas(serve_session: str) -> Iterator[ServeApp]:
     """The app with every stage at 2 replicas (its own name and route prefix, same Ray session)."""
-    request_log = os.path.join(tempfile.mkdtemp(prefix="lifecycle-test-2x-"), "requests.jsonl")
-    args = {**REPLICAS_ARGS, "http": {**REPLICAS_ARGS["http"], "request_log_file": request_log}}
-    url = deploy_app(args, name="replicas", route_prefix="/replicas", options=REPLICAS_OPTIONS)
-    yield ServeApp(url=url, otlp=None, args=args, session_dir=serve_session, request_log=request_log,
-                   name="replicas")
+    yield _named_app(serve_session, REPLICAS_ARGS, "replicas", REPLICAS_OPTIONS)
 
 
 @pytest.fixture(scope="session")
@@ -186,11 +192,7 @@ def fault_app(serve_session: str) -> Iterator[ServeApp]:
 @pytest.fixture(scope="session")
 def serve_app_guarded(serve_session: str) -> Iterator[ServeApp]:
     """The app with API keys and fuzzing-friendly limits (own name and route prefix, same Ray session)."""
-    request_log = os.path.join(tempfile.mkdtemp(prefix="lifecycle-test-guarded-"), "requests.jsonl")
-    args = {**GUARDED_ARGS, "http": {**GUARDED_ARGS["http"], "request_log_file": request_log}}
-    url = deploy_app(args, name="guarded", route_prefix="/guarded", options=GUARDED_OPTIONS)
-    yield ServeApp(url=url, otlp=None, args=args, session_dir=serve_session, request_log=request_log,
-                   name="guarded")
+    yield _named_app(serve_session, GUARDED_ARGS, "guarded", GUARDED_OPTIONS)
 
 
 #: The tool-calling app: a tiny random-weight model with a tools-aware template (tests/tools_model.py).

@@ -29,7 +29,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from stages.chunked import join_reply, render_json
 from stages.config import AppConfig
 from stages.errors import (
     EngineUnavailableError,
@@ -46,6 +45,7 @@ from stages.ingress.lifecycle import Lifecycle, LiveRequest
 from stages.ingress.limits import cap_max_tokens, check_max_tokens
 from stages.ingress.openapi import build_openapi
 from stages.ingress.sse import first_item, relay, sse_response
+from stages.ingress.tokens import TokenRoutes
 from stages.ingress.views import (
     PROBE_TIMEOUT_S,
     EngineLiveness,
@@ -61,8 +61,6 @@ from stages.openai_format import TIMING_FIELD, server_timing_header
 from stages.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
     messages_to_dicts,
     parse_request,
     to_sampling_params,
@@ -121,7 +119,7 @@ class Ingress:
             logger.info("API keys on: %d key(s); no key needed for %s", len(self.api_keys),
                         sorted(self.api_keys.exempt_paths) or "nothing")
         self.preprocess = preprocess
-        self.preprocess_stream = preprocess.options(stream=True)
+        self.token_routes = TokenRoutes(preprocess.options(stream=True), self._read_body, self._check_model)
         self.egress_stream = egress.options(stream=True)
         self.egress = egress
         self.engine = engine
@@ -148,8 +146,8 @@ class Ingress:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
-            Route("/tokenize", self.tokenize, methods=["POST"]),
-            Route("/detokenize", self.detokenize, methods=["POST"]),
+            Route("/tokenize", self.token_routes.tokenize, methods=["POST"]),
+            Route("/detokenize", self.token_routes.detokenize, methods=["POST"]),
             Route("/metrics", self.metrics_endpoint, methods=["GET"]),
             Route("/openapi.json", self.openapi, methods=["GET"]),
         ]
@@ -404,32 +402,3 @@ class Ingress:
 
     async def version(self, request: Request) -> Response:
         return JSONResponse({"version": VERSION})
-
-    async def _bulk_reply(self, method: str, arg: Any, t0: float) -> Response:
-        """A Preprocess reply that arrives in parts (it can outgrow one message), as JSON rendered
-        without holding this replica's event loop; ``Server-Timing`` gives the server's time."""
-        result = await join_reply(getattr(self.preprocess_stream, method).remote(arg))
-        body = await render_json(result)
-        return Response(body, media_type="application/json",
-                        headers={"Server-Timing": server_timing_header({"total": _ms(time.perf_counter() - t0)})})
-
-    async def tokenize(self, request: Request) -> Response:
-        t0 = time.perf_counter()
-        try:
-            req = parse_request(TokenizeRequest, await self._read_body(request))
-            self._check_model(req.model)
-            return await self._bulk_reply("tokenize", {
-                "prompt": req.prompt, "messages": messages_to_dicts(req) if req.messages is not None else None,
-                "add_generation_prompt": req.add_generation_prompt,
-                "add_special_tokens": bool(req.add_special_tokens)}, t0)
-        except Exception as exc:  # noqa: BLE001 - rendered in the one place
-            return error_response(exc)
-
-    async def detokenize(self, request: Request) -> Response:
-        t0 = time.perf_counter()
-        try:
-            req = parse_request(DetokenizeRequest, await self._read_body(request))
-            self._check_model(req.model)
-            return await self._bulk_reply("detokenize", req.tokens, t0)
-        except Exception as exc:  # noqa: BLE001
-            return error_response(exc)
