@@ -6,7 +6,7 @@ The float32 engine is token-exact with transformers on the GGUF's exact dequanti
 moves greedy decoding from it: per prompt, the number of leading tokens equal to float32's, out of
 ``--tokens``. All prompts run at once (chunked prefill, 64-token chunks), as in the parity test.
 
-    .venv/bin/python bench/quant_agreement.py                # int4/int8 x LM head int8/int4/float
+    .venv/bin/python bench/quant_agreement.py    # block kernel (int4/int8, Q8_0 head) and torch's kernels
 """
 
 from __future__ import annotations
@@ -37,17 +37,18 @@ def prompts() -> list[list[int]]:
     return out
 
 
-def run(weights: str, lm_head: str, ps: list[list[int]], n: int) -> list[list[int]]:
+def run(weights: str, lm_head: str, ps: list[list[int]], n: int, kernel: str = "torch") -> list[list[int]]:
     import stages.engine.loader as loader
 
-    saved = dict(loader.LM_HEAD_DEFAULT)
-    if weights != "float32":
-        loader.LM_HEAD_DEFAULT[weights] = lm_head
+    saved = loader.lm_head_default
+    if weights != "float32" and lm_head != "auto":
+        loader.lm_head_default = lambda w, b: lm_head  # type: ignore[assignment]
     try:
         eng = LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, weights=weights, num_kv_blocks=1024,
-                                                 max_num_batched_tokens=64, enable_prefix_caching=False))
+                                                 max_num_batched_tokens=64, enable_prefix_caching=False,
+                                                 quant_kernel=kernel))
     finally:
-        loader.LM_HEAD_DEFAULT.update(saved)
+        loader.lm_head_default = saved
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(ps):
         eng.add_request(str(i), p, params)
@@ -61,7 +62,8 @@ def run(weights: str, lm_head: str, ps: list[list[int]], n: int) -> list[list[in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--configs", default="int4:int8,int4:int4,int4:float,int8:int8,int8:float")
+    ap.add_argument("--configs", default="int4:q8_0:native,int8:q8_0:native,int4:int8:torch,int4:float:torch",
+                    help="weights:lm_head[:quant_kernel] (lm_head auto = the default for that kernel)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "quant_agreement.json"))
     a = ap.parse_args()
@@ -70,13 +72,13 @@ def main() -> None:
     ref = run("float32", "float", ps, a.tokens)
     res = {}
     for cfg in a.configs.split(","):
-        weights, head = cfg.split(":")
-        got = run(weights, head, ps, a.tokens)
+        weights, head, *rest = cfg.split(":")
+        got = run(weights, head, ps, a.tokens, rest[0] if rest else "torch")
         prefix = [next((k for k, (x, y) in enumerate(zip(g, r, strict=True)) if x != y), a.tokens)
                   for g, r in zip(got, ref, strict=True)]
         res[cfg] = {"identical_prompts": sum(p == a.tokens for p in prefix), "prompts": len(ps),
                     "median_leading_tokens_equal": statistics.median(prefix), "leading_tokens_equal": prefix}
-        print(f"weights {weights}, LM head {head}: {res[cfg]['identical_prompts']}/{len(ps)} prompts identical "
+        print(f"weights {weights}, LM head {head}, kernel {rest[0] if rest else 'torch'}: {res[cfg]['identical_prompts']}/{len(ps)} prompts identical "
               f"for {a.tokens} tokens; leading tokens equal per prompt {prefix}", flush=True)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"tokens": a.tokens, "results": res}, indent=2) + "\n")

@@ -53,6 +53,11 @@ class EngineSettings(_Strict):
     enable_prefix_caching: bool = True
     #: Linear-layer weights: auto (the GGUF's own quantisation on CPU, else float) | float32 | int4 | int8.
     weights: Literal["auto", "float32", "int4", "int8"] = "auto"
+    #: Decode attention: auto (a paged kernel built for this CPU, else gather + SDPA) | paged_kernel | sdpa.
+    attention: Literal["auto", "paged_kernel", "sdpa"] = "auto"
+    #: Quantised matmuls: auto (the block kernel built for this CPU: int8 activations, integer dot
+    #: products; torch's int4/int8 kernels where it cannot be built) | native | torch.
+    quant_kernel: Literal["auto", "native", "torch"] = "auto"
     #: Waiting-queue bound; beyond it requests get 429 with Retry-After.
     max_waiting_requests: int = Field(256, ge=1)
     #: A step loop that has work but finishes no step for this long is unhealthy (Serve replaces it).

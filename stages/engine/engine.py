@@ -42,6 +42,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Linear-layer weights: auto (a GGUF's own quantisation on CPU, else float) | float32 | int4 | int8.
     weights: str = "auto"
+    #: Decode attention: auto (the paged CPU kernel where it builds, else SDPA) | paged_kernel | sdpa.
+    attention: str = "auto"
+    #: Quantised matmuls: auto (the block kernel where it builds, else torch's) | native | torch.
+    quant_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -133,7 +137,7 @@ class LLMEngine:
             device=config.device, dtype=config.dtype, block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
             num_threads=config.num_threads,
-            weights=config.weights, model=config.model,
+            weights=config.weights, model=config.model, attention=config.attention, quant_kernel=config.quant_kernel,
         ), load_config(config.model), load_state_dict(config.model))
         from stages.engine.structured import GrammarBackend
 

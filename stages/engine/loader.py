@@ -104,6 +104,21 @@ def read_gguf_linears(path: str | Path, num_heads: int, num_kv_heads: int) -> di
     return out
 
 
+def read_gguf_q8_0(path: str | Path, name: str = "token_embd.weight") -> Any | None:
+    """A Q8_0 tensor of a GGUF as :class:`BlockInt8` (its own blocks, exact), or None when the
+    file stores it otherwise."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    from stages.engine.quant import BlockInt8
+
+    for t in GGUFReader(str(path)).tensors:
+        if t.name == name:
+            if t.tensor_type != GGMLQuantizationType.Q8_0:
+                return None
+            return BlockInt8.from_q8_0(*split_q8_0(t.data))
+    return None
+
+
 def gguf_path(model: str) -> Path | None:
     """The GGUF file behind ``model`` when it is one (the embedded default), else None."""
     from stages.model_info import EMBEDDED_MODEL, embedded_gguf_path
@@ -127,30 +142,45 @@ def resolve_weights(weights: str, model: str, device: str) -> str:
 
 
 def quantized_weights(weights: str, model: str, args: Any, state: dict[str, Any],
-                      lm_head: str = "auto") -> tuple[dict[str, Any], Any | None]:
+                      lm_head: str = "auto", block_kernel: bool = False) -> tuple[dict[str, Any], Any | None]:
     """The quantised linear layers (by Hugging Face name) and LM head for ``weights`` int4/int8.
 
     int4 takes a GGUF's own Q4_1 blocks where there are some, else quantises the float weights
-    (group 32, min/max). int8 requantises the float weights per output channel (for a GGUF model
-    those are its exact dequantisation). The LM head, when quantised, is requantised from the float
-    head (for the embedded GGUF: its Q8_0 table dequantised exactly).
+    (group 32, min/max). int8 requantises the float weights (for a GGUF model those are its exact
+    dequantisation): in blocks of 32 for the block kernel (``block_kernel``), per output channel for
+    torch's. The LM head, when quantised, is the GGUF's own Q8_0 table for ``q8_0`` (block-quantised
+    from the float head where there is none) and requantised from the float head otherwise.
     """
-    from stages.engine.quant import ChannelInt8, GroupInt4
+    from stages.engine.quant import BlockInt8, ChannelInt8, GroupInt4
 
     names = [n for n in state if n.startswith("model.layers.") and n.endswith("_proj.weight")]
-    path = gguf_path(model) if weights == "int4" else None
-    if path is not None:
-        linears = read_gguf_linears(path, args.num_heads, args.num_kv_heads)
+    gguf = gguf_path(model)
+    if weights == "int4" and gguf is not None:
+        linears = read_gguf_linears(gguf, args.num_heads, args.num_kv_heads)
     else:
-        fmt = GroupInt4 if weights == "int4" else ChannelInt8
+        fmt = GroupInt4 if weights == "int4" else (BlockInt8 if block_kernel else ChannelInt8)
         linears = {n: fmt.quantize(state[n]) for n in names}
-    head_fmt = lm_head if lm_head != "auto" else LM_HEAD_DEFAULT[weights]
+    head_fmt = lm_head if lm_head != "auto" else lm_head_default(weights, block_kernel)
+    if head_fmt == "q8_0" and not block_kernel:
+        raise ValueError("lm_head=q8_0 needs the block kernel (quant_kernel native)")
     head = None
     if head_fmt != "float":
         w = state.get("lm_head.weight", state["model.embed_tokens.weight"])
-        head = w.bfloat16() if head_fmt == "bf16" else (GroupInt4 if head_fmt == "int4" else ChannelInt8).quantize(w)
+        if head_fmt == "q8_0":
+            tied = "lm_head.weight" not in state or args.tie_word_embeddings
+            head = (read_gguf_q8_0(gguf) if gguf is not None and tied else None) or BlockInt8.quantize(w)
+        elif head_fmt == "bf16":
+            head = w.bfloat16()
+        else:
+            head = (GroupInt4 if head_fmt == "int4" else ChannelInt8).quantize(w)
     return linears, head
 
 
-#: LM head format per weight format (measured: see BENCHMARKS.md, "Engine speed").
+#: LM head format per weight format with torch's kernels (measured: see BENCHMARKS.md, "Engine speed").
 LM_HEAD_DEFAULT = {"int4": "int8", "int8": "int8"}
+
+
+def lm_head_default(weights: str, block_kernel: bool) -> str:
+    """The LM head's format by default: with the block kernel, Q8_0 (for the embedded GGUF its own
+    table, exact, and the fastest head measured); otherwise :data:`LM_HEAD_DEFAULT`."""
+    return "q8_0" if block_kernel else LM_HEAD_DEFAULT[weights]

@@ -41,10 +41,16 @@ class RunnerConfig:
     weights: str = "float32"
     #: The model's name, to find a GGUF's own blocks for ``weights`` int4.
     model: str = ""
-    #: LM head under quantised weights: auto (``loader.LM_HEAD_DEFAULT``) | float | bf16 | int4 | int8.
+    #: LM head under quantised weights: auto (``loader.lm_head_default``) | float | bf16 | int4 | int8 | q8_0.
     lm_head: str = "auto"
-    #: Quantised layers use their quantised kernel below this many rows, a dense GEMM at or above.
-    dense_min_rows: int = 16
+    #: Quantised layers use their quantised kernel below this many rows, a dense GEMM at or above
+    #: (0: measured on this machine at load, see :func:`quant.calibrate_dense_min_rows`).
+    dense_min_rows: int = 0
+    #: Decode attention: auto (the paged kernel on CPU where it builds, else sdpa) | paged_kernel | sdpa.
+    attention: str = "auto"
+    #: Quantised matmuls: auto (the block kernel, int8 activations, where it builds; else torch's) |
+    #: native | torch (torch's int4/int8 kernels, bfloat16 activations).
+    quant_kernel: str = "auto"
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -73,13 +79,17 @@ class ModelRunner:
         model.tie_and_init_buffers()
         model.load_hf_state_dict(state_dict)
         self.weights = resolve_weights(config.weights, config.model, config.device)
+        self.block_kernel = None
         if self.weights != "float32":
+            self.block_kernel = self._block_kernel(config.quant_kernel)
             linears, lm_head = quantized_weights(self.weights, config.model, self.args, state_dict,
-                                                 config.lm_head)
-            model.quantize_(linears, lm_head, config.dense_min_rows)
+                                                 config.lm_head, block_kernel=self.block_kernel is not None)
+            model.quantize_(linears, lm_head, config.dense_min_rows, self.block_kernel)
         self.model = model.eval()
-        logger.info("model %s loaded on %s/%s, %s weights, in %.1fs", arch, self.device, self.dtype,
-                    self.weights, time.monotonic() - t0)
+        logger.info("model %s loaded on %s/%s, %s weights (%s kernel, dense from %s rows), in %.1fs", arch,
+                    self.device, self.dtype, self.weights,
+                    self.block_kernel.isa_name if self.block_kernel is not None else "torch",
+                    getattr(model, "dense_min_rows", "-"), time.monotonic() - t0)
 
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_gb)
@@ -87,8 +97,38 @@ class ModelRunner:
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
                            torch.zeros(shape, dtype=self.dtype, device=self.device))
                           for _ in range(self.args.num_layers)]
+        self.paged_kernel = self._decode_kernel(config.attention)
         self.sampler = Sampler(self.device)
         self._masks: concurrent.futures.ThreadPoolExecutor | None = None
+
+    @staticmethod
+    def _block_kernel(choice: str) -> Any:
+        """The block-quantised matmul kernel, or None for torch's int4/int8 kernels."""
+        if choice not in ("auto", "native", "torch"):
+            raise ValueError(f"quant_kernel must be auto, native or torch, not {choice!r}")
+        if choice == "torch":
+            return None
+        from stages.engine.kernels import quant_matmul
+
+        kernel = quant_matmul()
+        if kernel is None and choice == "native":
+            raise RuntimeError("quant_kernel=native: the kernel could not be built (see the log)")
+        return kernel
+
+    def _decode_kernel(self, choice: str) -> Any:
+        """The paged decode-attention kernel, or None for gather + SDPA."""
+        if choice not in ("auto", "paged_kernel", "sdpa"):
+            raise ValueError(f"attention must be auto, paged_kernel or sdpa, not {choice!r}")
+        if choice == "sdpa" or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+            if choice == "paged_kernel":
+                raise ValueError("attention=paged_kernel needs the CPU with float32 or bfloat16")
+            return None
+        from stages.engine.kernels import paged_attention
+
+        kernel = paged_attention()
+        if kernel is None and choice == "paged_kernel":
+            raise RuntimeError("attention=paged_kernel: the kernel could not be built (see the log)")
+        return kernel
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -134,7 +174,17 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
-        if decodes:
+        if decodes and self.paged_kernel is not None:
+            # The kernel walks each sequence's block table itself: no slot lists, no mask.
+            nb = max(-(-(s.start + 1) // self.block_size) for s in decodes)
+            meta.num_decodes = len(decodes)
+            meta.decode_tables = torch.tensor([s.request.block_table[:nb] + [0] * (nb - len(s.request.block_table[:nb]))
+                                               for s in decodes], dtype=torch.int32)
+            meta.decode_ctx_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.int32)
+            meta.paged_kernel = self.paged_kernel
+            meta.block_size = self.block_size
+            meta.kernel_threads = torch.get_num_threads()
+        elif decodes:
             # Context slots of every decode, vectorised: slot(p) = table[p // bs] * bs + p % bs.
             ctx_lens = torch.tensor([s.start + 1 for s in decodes])
             width = int(ctx_lens.max())

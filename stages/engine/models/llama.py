@@ -84,6 +84,14 @@ class AttentionMetadata:
     #: decode_range + width - 1`` (then attention reads the cache in place; ``decode_mask`` is None).
     decode_range: int | None = None
     prefills: list[tuple[int, int, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    #: The paged decode-attention kernel (:mod:`stages.engine.kernels`) when the runner uses it: then
+    #: decodes read the cache through ``decode_tables`` (``[B, blocks]`` int32) and
+    #: ``decode_ctx_lens`` (``[B]`` int32) in place, and ``decode_slots``/``decode_mask`` are unset.
+    paged_kernel: Any = None
+    decode_tables: torch.Tensor | None = None
+    decode_ctx_lens: torch.Tensor | None = None
+    block_size: int = 16
+    kernel_threads: int = 1
     #: Flattened indices of the tokens whose logits are wanted (one per sampling sequence).
     logits_indices: torch.Tensor | None = None
 
@@ -179,6 +187,9 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         """Attention of the single-token queries ``q`` ``[B, H, d]`` over their cached contexts."""
+        if meta.paged_kernel is not None:
+            return meta.paged_kernel(q, k_cache, v_cache, meta.decode_tables, meta.decode_ctx_lens,
+                                     meta.block_size, self.scale, meta.kernel_threads)
         assert meta.decode_slots is not None
         b, width = meta.decode_slots.shape
         if meta.decode_range is not None:
@@ -265,7 +276,8 @@ class LlamaForCausalLM(nn.Module):
             x = x[meta.logits_indices]  # norm and lm_head only where a token is sampled
         return self.lm_head(self.norm(x))
 
-    def quantize_(self, linears: dict[str, Any], lm_head: Any | None, dense_min_rows: int) -> None:
+    def quantize_(self, linears: dict[str, Any], lm_head: Any | None, dense_min_rows: int,
+                  block_kernel: Any = None) -> None:
         """Swap every linear layer for a :class:`~stages.engine.quant.QuantLinear` built from
         ``linears`` (quantised weights by Hugging Face name: ``GroupInt4`` or ``ChannelInt8``), fusing
         q/k/v and gate/up as the float layers are fused; ``lm_head`` likewise when given. The
@@ -277,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
             weight = type(parts[0]).cat(parts) if len(parts) > 1 else parts[0]
             b = bias.bias.detach() if bias is not None and bias.bias is not None else None
             # A layer whose output only feeds the float32 residual add skips its own cast.
-            return QuantLinear(weight, b, dense_min_rows, cast_output=not residual)
+            return QuantLinear(weight, b, dense_min_rows, cast_output=not residual, block_kernel=block_kernel)
 
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
@@ -289,7 +301,42 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(lm_head, torch.Tensor):  # a bfloat16 table: dense, no requantisation
             self.lm_head = DenseLinear(lm_head)
         elif lm_head is not None:
-            self.lm_head = QuantLinear(lm_head, None, dense_min_rows)
+            self.lm_head = QuantLinear(lm_head, None, dense_min_rows, block_kernel=block_kernel)
+        if dense_min_rows <= 0:
+            self.calibrate_dense_min_rows()
+
+    def calibrate_dense_min_rows(self) -> dict[str, int | None]:
+        """Measure, on this machine, where the quantised layers' dense copies start to beat their
+        quantised kernel: once for the decoder layers' linears and once for the LM head; set
+        ``dense_min_rows`` on all of them, and free the dense copies of a group whose kernel wins
+        at every size tried (None in the result). Returns the values found."""
+        from stages.engine.quant import (
+            BLOCK_CALIBRATION_ROWS,
+            CALIBRATION_ROWS,
+            QuantLinear,
+            calibrate_dense_min_rows,
+        )
+
+        linears = [m for layer in self.layers
+                   for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                             layer.mlp.down_proj) if isinstance(m, QuantLinear)]
+        groups = {"linears": linears, "lm_head": [self.lm_head] if isinstance(self.lm_head, QuantLinear) else []}
+        found: dict[str, int | None] = {}
+        for name, mods in groups.items():
+            if not mods:
+                continue
+            block = mods[0].kind in ("q4_1", "q8_0")
+            rows = BLOCK_CALIBRATION_ROWS if block else CALIBRATION_ROWS
+            found[name] = at = calibrate_dense_min_rows(mods, rows, repeats=3)
+            for m in mods:
+                if at is not None:
+                    m.dense_min_rows = at
+                elif block:
+                    m.drop_dense()
+                else:  # torch's kernels lose to a dense GEMM on prefill-sized chunks: keep the copy
+                    m.dense_min_rows = max(rows) * 2
+        self.dense_min_rows = found
+        return found
 
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Copy weights from transformers names, fusing q/k/v and gate/up projections."""

@@ -1,0 +1,105 @@
+"""The CPU paged decode-attention kernel (stages/engine/kernels) against torch's SDPA on gathered K/V."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stages.engine import kernels
+
+kernel = kernels.paged_attention()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ compiler here: the engine uses SDPA")
+
+
+def reference(q, k_cache, v_cache, tables, ctx_lens, block_size, scale):
+    b, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    outs = []
+    for i in range(b):
+        pos = torch.arange(int(ctx_lens[i]))
+        slots = tables[i].long()[pos // block_size] * block_size + pos % block_size
+        k = k_cache[slots].float().transpose(0, 1)  # [kvh, L, d]
+        v = v_cache[slots].float().transpose(0, 1)
+        qq = q[i].view(kv_heads, heads // kv_heads, dim)
+        outs.append(F.scaled_dot_product_attention(qq, k, v, scale=scale).reshape(heads, dim))
+    return torch.stack(outs)
+
+
+def case(seed: int, b: int, heads: int, kv_heads: int, dim: int, block_size: int, max_ctx: int):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 512
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=g)
+    ctx = torch.randint(1, max_ctx + 1, (b,), generator=g, dtype=torch.int32)
+    ctx[0] = 1  # a sequence with one token of context (its own)
+    width = int(-(-int(ctx.max()) // block_size))
+    # Blocks scattered through the pool, in no order: what a busy block manager hands out.
+    tables = torch.randperm(num_blocks, generator=g)[: b * width].view(b, width).to(torch.int32).contiguous()
+    # q as the model has it: a slice of [B, heads + kv_heads, d] (not contiguous across sequences).
+    q = torch.randn(b, heads + kv_heads, dim, generator=g)[:, :heads]
+    return q, k_cache, v_cache, tables, ctx
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 2, 32)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_sdpa_on_gathered_kv(heads, kv_heads, dim, threads):
+    q, k_cache, v_cache, tables, ctx = case(1, 7, heads, kv_heads, dim, 16, 100)
+    scale = dim ** -0.5
+    got = kernel(q, k_cache, v_cache, tables, ctx, 16, scale, threads)
+    want = reference(q, k_cache, v_cache, tables, ctx, 16, scale)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_bfloat16_cache_and_odd_block_size():
+    q, k_cache, v_cache, tables, ctx = case(2, 5, 9, 3, 64, 5, 60)
+    kb, vb = k_cache.bfloat16(), v_cache.bfloat16()
+    got = kernel(q, kb, vb, tables, ctx, 5, 0.125, 1)
+    want = reference(q, kb, vb, tables, ctx, 5, 0.125)  # the same bfloat16 values, in float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_long_context_and_large_scores():
+    # Scores far from zero exercise the max subtraction and the exp's range reduction.
+    q, k_cache, v_cache, tables, ctx = case(3, 3, 9, 3, 64, 16, 2000)
+    got = kernel(q * 30, k_cache, v_cache, tables, ctx, 16, 0.125, 1)
+    want = reference(q * 30, k_cache, v_cache, tables, ctx, 16, 0.125)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert torch.isfinite(got).all()
+
+
+@needs_kernel
+def test_rejects_what_it_cannot_read():
+    q, k_cache, v_cache, tables, ctx = case(4, 2, 9, 3, 64, 16, 20)
+    with pytest.raises(ValueError):
+        kernel(q, k_cache, v_cache, tables.long(), ctx, 16, 0.125, 1)
+    with pytest.raises(ValueError):
+        kernel(q, k_cache.half(), v_cache.half(), tables, ctx, 16, 0.125, 1)
+
+
+def test_without_a_compiler_the_kernel_is_absent_and_the_engine_uses_sdpa(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("LIFECYCLE_KERNEL_CACHE", str(tmp_path / "cache"))
+    kernels._load.cache_clear()
+    try:
+        assert kernels.paged_attention() is None
+    finally:
+        kernels._load.cache_clear()
+    monkeypatch.delenv("CXX")
+    monkeypatch.delenv("LIFECYCLE_KERNEL_CACHE")
+    assert (kernels.paged_attention() is None) == (kernel is None)
+
+
+@needs_kernel
+def test_build_is_cached_per_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("LIFECYCLE_KERNEL_CACHE", str(tmp_path))
+    first = kernels.build()
+    mtime = first.stat().st_mtime_ns
+    assert kernels.build() == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
+    changed = tmp_path / "paged_attention.cpp"
+    changed.write_text(kernels._SRC.read_text() + "\n// changed\n")
+    assert kernels.build(changed) != first
