@@ -11,9 +11,10 @@
 FROM python:3.11-slim-bookworm
 
 # KubeRay's default pod probes run `wget ... | grep success` (bash and grep are in the base image);
-# the HEALTHCHECK below uses wget too.
+# the HEALTHCHECK below uses wget too. g++ builds the engine's CPU kernels for each node's own CPU
+# when the engine first starts there (stages/engine/kernels, cached under ~/.cache).
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends wget \
+    && apt-get install -y --no-install-recommends wget g++ \
     && rm -rf /var/lib/apt/lists/*
 
 # The non-root user everything runs as; numeric so Kubernetes' runAsNonRoot can verify it.

@@ -38,8 +38,11 @@ $(MODEL): $(STAMP)
 
 setup: $(STAMP) $(MODEL)
 
+# A Ray of its own (RAY_ADDRESS=local) unless RAY_ADDRESS names one: a stale
+# /tmp/ray/ray_current_cluster left by a `ray start` whose cluster is gone made `serve run` wait for
+# that dead GCS forever.
 serve: setup
-	$(VENV)/bin/serve run serve_config.yaml
+	RAY_ADDRESS=$${RAY_ADDRESS:-local} $(VENV)/bin/serve run serve_config.yaml
 
 test: setup nginx kubectl
 	$(PY) -m pytest -q

@@ -21,8 +21,8 @@ SmolLM2-135M-Instruct float32 weights, and measures:
     900-token prefix (56 full 16-token blocks = 896 tokens) in the cache; warm = TTFT of prefix +
     a different suffix Y. TTFT = ``add_request`` to the ``step()`` that returns the first token.
     Run with ``max_num_batched_tokens=1024`` (cold prefill in one step) and with the default 512.
-(d) batch-1 decode step time per weight format (``--weights``, default float32,int4,int8; the
-    formats alternate within each repeat) next to the memory-bandwidth floor: copy bandwidth
+(d) batch-1 decode step time per weight format (``--weights``, default float32,int4,int8; a
+    format may name its matmul kernel, e.g. ``int4/torch``; the formats alternate within each repeat) next to the memory-bandwidth floor: copy bandwidth
     (512 MB float32 ``copy_``, best of several, read + write bytes counted) and read bandwidth
     (``sum`` over the same tensor); floor = the bytes that format actually reads per decode step
     (linear layers as their kernel reads them at one row, LM head, norms, one embedding row, and
@@ -189,13 +189,15 @@ class Bench:
                          self.info.max_model_len)
 
     def runner_for(self, weights: str) -> Any:
-        """The shared float32 runner, or one built (once) for another weight format."""
+        """The shared float32 runner, or one built (once) for another weight format: ``int4``,
+        ``int8`` (the default matmul kernel), or ``int4/torch``, ``int8/native``... (that kernel)."""
         if weights == "float32":
             return self.runner
         if weights not in self.runners:
+            fmt, _, kernel = weights.partition("/")
             eng = LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, num_threads=self.args.threads,
-                                                     weights=weights, num_kv_blocks=self.runner.num_blocks,
-                                                     device=self.args.device))
+                                                     weights=fmt, num_kv_blocks=self.runner.num_blocks,
+                                                     device=self.args.device, quant_kernel=kernel or "auto"))
             self.runners[weights] = eng.runner
         return self.runners[weights]
 

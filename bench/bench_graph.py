@@ -1,11 +1,14 @@
-"""The full graph over HTTP versus the same engine called in-process, in one run.
+"""The full graph over HTTP versus the same engine called in-process, in one run, alternating.
 
 In-process: ``AsyncEngine`` (the engine core on its step thread) driven from asyncio in this
 process, prompts pre-tokenised. Graph: the real Serve app on loopback (Ingress → Preprocess →
 Egress → Engine), text prompts over HTTP with SSE, measured by an httpx client in this process.
 Same engine settings, same prompts (the graph tokenises them to the same ids), same token counts.
+Both stay up for the whole run and the sides alternate round by round (who goes first alternates
+too), so a change in the machine's load hits both; medians over rounds are reported, and the
+ratios of each round.
 
-    .venv/bin/python bench/bench_graph.py            # full run (~6-10 min on 2 cores)
+    .venv/bin/python bench/bench_graph.py            # full run (3 rounds, ~6 min on 2 cores)
     .venv/bin/python bench/bench_graph.py --quick    # smoke run
 """
 
@@ -52,29 +55,29 @@ async def inproc_one(engine: Any, rid: str, ids: list[int], max_tokens: int) -> 
     return {"ttft": ttft, "e2e": time.perf_counter() - t0, "times": times, "n": n}
 
 
-async def inproc_suite(settings: EngineSettings, tok: Any, a: argparse.Namespace) -> dict[str, Any]:
+async def inproc_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]:
+    """An in-process engine and the ``one`` request function over it (the caller shuts it down)."""
     from stages.engine.async_engine import AsyncEngine
     from stages.engine.engine import LLMEngine
 
     engine = AsyncEngine(LLMEngine.from_config(settings.to_engine_config(EMBEDDED_MODEL)))
     engine.start()
-    try:
-        return await _suite(lambda i, text, mt: inproc_one(engine, f"r{i}-{time.monotonic_ns()}",
-                                                           tok(text)["input_ids"], mt), a)
-    finally:
-        engine.shutdown()
+
+    def one(i: int, text: str, mt: int) -> Any:
+        return inproc_one(engine, f"r{i}-{time.monotonic_ns()}", tok(text)["input_ids"], mt)
+
+    return engine, one
 
 
 # -- graph -----------------------------------------------------------------------------------------
-async def graph_suite(url: str, a: argparse.Namespace) -> dict[str, Any]:
-    limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        async def one(i: int, text: str, mt: int) -> dict[str, Any]:
-            r = await stream_completion(client, url, {"model": MODEL_NAME, "prompt": text, "max_tokens": mt,
-                                                      "temperature": 0, "ignore_eos": True})
-            timing = (r.final or {}).get("server_timing") or {}
-            return {"ttft": r.ttft, "e2e": r.e2e, "times": r.token_times, "n": r.num_tokens, "timing": timing}
-        return await _suite(one, a)
+def graph_side(client: httpx.AsyncClient, url: str) -> Any:
+    """The ``one`` request function over the Serve app's HTTP API."""
+    async def one(i: int, text: str, mt: int) -> dict[str, Any]:
+        r = await stream_completion(client, url, {"model": MODEL_NAME, "prompt": text, "max_tokens": mt,
+                                                  "temperature": 0, "ignore_eos": True})
+        timing = (r.final or {}).get("server_timing") or {}
+        return {"ttft": r.ttft, "e2e": r.e2e, "times": r.token_times, "n": r.num_tokens, "timing": timing}
+    return one
 
 
 async def _suite(one: Any, a: argparse.Namespace) -> dict[str, Any]:
@@ -111,44 +114,68 @@ async def _suite(one: Any, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def run_rounds(settings: EngineSettings, tok: Any, url: str, a: argparse.Namespace
+                     ) -> dict[str, list[dict[str, Any]]]:
+    engine, inproc_one_fn = await inproc_side(settings, tok)
+    limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
+    runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "graph": []}
+    try:
+        async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+            sides = {"in_process": inproc_one_fn, "graph": graph_side(client, url)}
+            for rnd in range(a.rounds):
+                order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
+                for name in order:
+                    res = await _suite(sides[name], a)
+                    runs[name].append(res)
+                    print(f"round {rnd} {name}: {json.dumps({k: round(v, 2) for k, v in res.items()})}", flush=True)
+    finally:
+        engine.shutdown()
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--idle-reps", type=int, default=10)
     p.add_argument("--idle-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds (each side once per round)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads in the engine, both sides (1: the graph's other stages need the other core)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/graph.json")
     a = p.parse_args()
     if a.quick:
-        a.streams, a.tokens, a.idle_reps, a.idle_tokens = 8, 32, 3, 16
+        a.streams, a.tokens, a.idle_reps, a.idle_tokens, a.rounds = 8, 32, 3, 16, 1
     settings = EngineSettings(num_threads=a.threads, max_num_seqs=64, max_num_batched_tokens=512)
     tok = load_tokenizer(EMBEDDED_MODEL)
     env = machine()
     print("machine:", env, flush=True)
-    inproc = asyncio.run(inproc_suite(settings, tok, a))
-    print("in-process:", json.dumps(inproc, indent=1), flush=True)
     app = ServeApp({"engine": settings.model_dump(), "http": {"keepalive_interval_s": 5.0}})
     try:
-        graph = asyncio.run(graph_suite(app.url, a))
+        runs = asyncio.run(run_rounds(settings, tok, app.url, a))
     finally:
         app.close()
-    print("graph:", json.dumps(graph, indent=1), flush=True)
+    med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
+    inproc, graph = med["in_process"], med["graph"]
     n = a.streams
+
+    def per_round(f: Any) -> list[float]:
+        return [round(f(i, g), 3) for i, g in zip(runs["in_process"], runs["graph"], strict=True)]
+
     ratios = {
         f"throughput_ratio_{n}": graph[f"tok_s_{n}"] / inproc[f"tok_s_{n}"],
         "throughput_ratio_1": graph["tok_s_1"] / inproc["tok_s_1"],
         "idle_ttft_added_ms_p50": graph["idle_ttft_p50_ms"] - inproc["idle_ttft_p50_ms"],
+        f"per_round_throughput_ratio_{n}": per_round(lambda i, g: g[f"tok_s_{n}"] / i[f"tok_s_{n}"]),
+        "per_round_idle_ttft_added_ms": per_round(lambda i, g: g["idle_ttft_p50_ms"] - i["idle_ttft_p50_ms"]),
     }
-    result = {"args": vars(a), "machine": env, "in_process": inproc, "graph": graph, "ratios": ratios}
+    result = {"args": vars(a), "machine": env, "in_process": inproc, "graph": graph, "ratios": ratios, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
-    rows = [(k, inproc.get(k, float("nan")), graph[k]) for k in graph]
-    print("\n| metric | in-process | graph (HTTP) |\n|---|---|---|")
-    for k, x, g in rows:
-        print(f"| {k} | {x:.2f} | {g:.2f} |")
+    print(f"\n| metric (median of {a.rounds} rounds) | in-process | graph (HTTP) |\n|---|---|---|")
+    for k, g in graph.items():
+        print(f"| {k} | {inproc.get(k, float('nan')):.2f} | {g:.2f} |")
     print("\nratios:", json.dumps(ratios, indent=1))
 
 

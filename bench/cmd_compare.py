@@ -43,6 +43,7 @@ async def wave(t: Target, n: int, max_tokens: int, rnd: int, bar: Any) -> dict[s
     gaps = [g for r in ok for g in r.gaps]
     return {"concurrency": n, "errors": len(recs) - len(ok), "first_error": next((r.error for r in recs if r.error), None),
             "output_tok_s": tokens / wall, "ttft_p50_ms": report.pct([r.ttft for r in ok], 50) * 1e3,
+            "ttft_p95_ms": report.pct([r.ttft for r in ok], 95) * 1e3,
             "tpot_p50_ms": report.pct([r.tpot for r in ok], 50) * 1e3,
             "gap_p50_ms": report.pct(gaps, 50) * 1e3, "gap_p95_ms": report.pct(gaps, 95) * 1e3,
             "tokens_per_event": tokens / max(1, sum(len(r.event_times) for r in ok)),
@@ -91,7 +92,7 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
         if peer_proc:
             peer_proc.stop()
     levels = [int(x) for x in a.levels.split(",") if x]
-    keys = ["output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "gap_p50_ms", "tokens_per_event"]
+    keys = ["output_tok_s", "ttft_p50_ms", "tpot_p50_ms", "gap_p50_ms", "ttft_p95_ms", "tokens_per_event"]
     summary, spreads, rows = [], {}, []
     for n in levels:
         row: dict[str, Any] = {"concurrency": n}
@@ -101,16 +102,17 @@ async def main(a: argparse.Namespace) -> dict[str, Any]:
                 sp = report.spread([w[k] for w in ws])
                 spreads[f"{name}.{k}@{n}"] = sp
                 row[f"{name}_{k}"] = sp["median"]
-        for k in keys[:4]:
+        for k in keys[:5]:
             row[f"ratio_{k}"] = row[f"ours_{k}"] / row[f"peer_{k}"] if row[f"peer_{k}"] else float("nan")
         summary.append(row)
         rows.append([str(n), row["ours_output_tok_s"], row["peer_output_tok_s"], f"{row['ratio_output_tok_s']:.2f}",
                      row["ours_ttft_p50_ms"], row["peer_ttft_p50_ms"], f"{row['ratio_ttft_p50_ms']:.2f}",
                      row["ours_tpot_p50_ms"], row["peer_tpot_p50_ms"], f"{row['ratio_tpot_p50_ms']:.2f}",
-                     row["ours_gap_p50_ms"], row["peer_gap_p50_ms"]])
+                     row["ours_gap_p50_ms"], row["peer_gap_p50_ms"],
+                     row["ours_ttft_p95_ms"], row["peer_ttft_p95_ms"], f"{row['ratio_ttft_p95_ms']:.2f}"])
     table = report.md_table(["streams", "ours tok/s", "peer tok/s", "ours/peer", "ours TTFT p50 (ms)", "peer TTFT",
                              "ours/peer", "ours TPOT p50 (ms)", "peer TPOT", "ours/peer", "ours event gap p50 (ms)",
-                             "peer event gap"], rows)
+                             "peer event gap", "ours TTFT p95 (ms)", "peer TTFT p95", "ours/peer"], rows)
     table += (f"\n\nMedians over {a.repeats} round(s), the servers alternating (who goes first alternates too); "
               f"chat, greedy, ignore_eos, {a.max_tokens} tokens (usage). Ratios: ours / peer (tok/s: >1 is ours "
               f"faster; TTFT and TPOT: <1 is ours faster).")
