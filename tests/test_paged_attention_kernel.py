@@ -103,3 +103,19 @@ def test_build_is_cached_per_source(tmp_path, monkeypatch):
     changed = tmp_path / "paged_attention.cpp"
     changed.write_text(kernels._SRC.read_text() + "\n// changed\n")
     assert kernels.build(changed) != first
+
+
+@needs_kernel
+def test_a_bfloat16_model_on_cpu_decodes_a_batch_through_the_kernel():
+    """The kernel returns float32; a bfloat16 model gets its own dtype back (this crashed in o_proj)."""
+    from stages.engine.engine import EngineConfig, LLMEngine
+    from stages.protocol import SamplingParams
+
+    eng = LLMEngine.from_config(EngineConfig(num_kv_blocks=256, dtype="bfloat16", weights="float32"))
+    assert eng.runner.paged_kernel is not None and eng.runner.kv_caches[0][0].dtype == torch.bfloat16
+    for i in range(3):
+        eng.add_request(f"r{i}", [1, 2, 3, 4 + i], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    tokens = 0
+    while eng.has_unfinished():
+        tokens += sum(len(o.new_token_ids) for o in eng.step())
+    assert tokens == 18

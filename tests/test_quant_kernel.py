@@ -96,9 +96,12 @@ def test_embedded_gguf_lm_head_is_its_own_q8_0_table():
     assert torch.equal(head.dequantize(), table.float())
 
 
-def test_block_weights_without_the_kernel_are_refused():
+def test_block_weights_without_the_kernel_or_with_ragged_blocks_are_refused():
     with pytest.raises(ValueError):
         QuantLinear(BlockInt8.quantize(torch.randn(16, 64)), None)
+    ragged = BlockInt8(torch.zeros(4, 40, dtype=torch.int8), torch.zeros(4, 1))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        QuantLinear(ragged, None, block_kernel=kernel)
 
 
 def test_runner_falls_back_to_torch_kernels_without_a_compiler(monkeypatch, tmp_path):

@@ -201,6 +201,8 @@ class QuantLinear(nn.Module):
         self._block = block_kernel
         if isinstance(weight, BlockInt8) and block_kernel is None:
             raise ValueError("BlockInt8 weights need the block kernel")
+        if self.in_features % GROUP and not isinstance(weight, ChannelInt8):
+            raise ValueError(f"block-quantised weights need in_features divisible by {GROUP}, not {self.in_features}")
         if block_kernel is not None and isinstance(weight, GroupInt4 | BlockInt8):
             self.kind = "q4_1" if isinstance(weight, GroupInt4) else "q8_0"
             if isinstance(weight, GroupInt4):

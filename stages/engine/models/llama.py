@@ -188,8 +188,9 @@ class Attention(nn.Module):
                 v_cache: torch.Tensor) -> torch.Tensor:
         """Attention of the single-token queries ``q`` ``[B, H, d]`` over their cached contexts."""
         if meta.paged_kernel is not None:
-            return meta.paged_kernel(q, k_cache, v_cache, meta.decode_tables, meta.decode_ctx_lens,
-                                     meta.block_size, self.scale, meta.kernel_threads)
+            out = meta.paged_kernel(q, k_cache, v_cache, meta.decode_tables, meta.decode_ctx_lens,
+                                    meta.block_size, self.scale, meta.kernel_threads)
+            return out if out.dtype == q.dtype else out.to(q.dtype)  # float32 out; a bfloat16 model casts
         assert meta.decode_slots is not None
         b, width = meta.decode_slots.shape
         if meta.decode_range is not None:
