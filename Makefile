@@ -19,7 +19,7 @@ export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 0.2
 # `RAY_AUTH_MODE=token make serve` keeps it (then use `RAY_AUTH_MODE=token serve status`).
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup serve test test-fast bench soak lint clean nginx peer k8s kubectl
+.PHONY: setup serve test test-fast bench soak lint clean nginx peer k8s kubectl cxx
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,7 +36,11 @@ $(MODEL): $(STAMP)
 	$(PY) -m stages.model_info
 	touch $@
 
-setup: $(STAMP) $(MODEL)
+setup: $(STAMP) $(MODEL) cxx
+
+# A C++ compiler for the engine's CPU kernels (installed with apt where missing).
+cxx:
+	bash bench/ensure_cxx.sh
 
 # A Ray of its own (RAY_ADDRESS=local) unless RAY_ADDRESS names one: a stale
 # /tmp/ray/ray_current_cluster left by a `ray start` whose cluster is gone made `serve run` wait for
