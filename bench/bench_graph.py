@@ -114,14 +114,14 @@ async def _suite(one: Any, a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-async def run_rounds(settings: EngineSettings, tok: Any, url: str, a: argparse.Namespace
+async def run_rounds(settings: EngineSettings, tok: Any, urls: dict[str, str], a: argparse.Namespace
                      ) -> dict[str, list[dict[str, Any]]]:
     engine, inproc_one_fn = await inproc_side(settings, tok)
     limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
-    runs: dict[str, list[dict[str, Any]]] = {"in_process": [], "graph": []}
+    runs: dict[str, list[dict[str, Any]]] = {"in_process": [], **{name: [] for name in urls}}
     try:
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            sides = {"in_process": inproc_one_fn, "graph": graph_side(client, url)}
+            sides = {"in_process": inproc_one_fn, **{name: graph_side(client, url) for name, url in urls.items()}}
             for rnd in range(a.rounds):
                 order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
                 for name in order:
@@ -142,6 +142,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds (each side once per round)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads in the engine, both sides (1: the graph's other stages need the other core)")
+    p.add_argument("--direct", action="store_true",
+                   help="also run the graph through the Ingress replica's direct-ingress port (no Serve proxy)")
+    p.add_argument("--per-request", action="store_true",
+                   help="also run a second app whose engine streams one item per request per step "
+                        "(engine.stream_channel: false) instead of one shared channel per Egress replica")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/graph.json")
     a = p.parse_args()
@@ -153,31 +158,54 @@ def main() -> None:
     print("machine:", env, flush=True)
     app = ServeApp({"engine": settings.model_dump(), "http": {"keepalive_interval_s": 5.0}})
     try:
-        runs = asyncio.run(run_rounds(settings, tok, app.url, a))
+        urls = {"graph": app.url}
+        if a.direct:
+            from bench.ttft_parts import direct_ingress_url
+
+            direct = direct_ingress_url()
+            if direct is None:
+                raise SystemExit("no direct-ingress port answered (RAY_SERVE_THROUGHPUT_OPTIMIZED=1 turns it on)")
+            urls["graph_direct"] = direct
+        if a.per_request:
+            from tests.serve_harness import deploy_app
+
+            urls["graph_per_request"] = deploy_app(
+                {"engine": {**settings.model_dump(), "stream_channel": False}, "http": {"keepalive_interval_s": 5.0}},
+                name="per_request", route_prefix="/per-request")
+        runs = asyncio.run(run_rounds(settings, tok, urls, a))
     finally:
         app.close()
     med = {side: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for side, rs in runs.items()}
-    inproc, graph = med["in_process"], med["graph"]
+    inproc = med["in_process"]
+    graphs = [side for side in med if side != "in_process"]
     n = a.streams
 
-    def per_round(f: Any) -> list[float]:
-        return [round(f(i, g), 3) for i, g in zip(runs["in_process"], runs["graph"], strict=True)]
+    def ratios_of(side: str) -> dict[str, Any]:
+        g = med[side]
 
-    ratios = {
-        f"throughput_ratio_{n}": graph[f"tok_s_{n}"] / inproc[f"tok_s_{n}"],
-        "throughput_ratio_1": graph["tok_s_1"] / inproc["tok_s_1"],
-        "idle_ttft_added_ms_p50": graph["idle_ttft_p50_ms"] - inproc["idle_ttft_p50_ms"],
-        f"per_round_throughput_ratio_{n}": per_round(lambda i, g: g[f"tok_s_{n}"] / i[f"tok_s_{n}"]),
-        "per_round_idle_ttft_added_ms": per_round(lambda i, g: g["idle_ttft_p50_ms"] - i["idle_ttft_p50_ms"]),
-    }
-    result = {"args": vars(a), "machine": env, "in_process": inproc, "graph": graph, "ratios": ratios, "runs": runs}
+        def per_round(f: Any) -> list[float]:
+            return [round(f(i, x), 3) for i, x in zip(runs["in_process"], runs[side], strict=True)]
+
+        return {
+            f"throughput_ratio_{n}": g[f"tok_s_{n}"] / inproc[f"tok_s_{n}"],
+            "throughput_ratio_1": g["tok_s_1"] / inproc["tok_s_1"],
+            "idle_ttft_added_ms_p50": g["idle_ttft_p50_ms"] - inproc["idle_ttft_p50_ms"],
+            f"per_round_throughput_ratio_{n}": per_round(lambda i, x: x[f"tok_s_{n}"] / i[f"tok_s_{n}"]),
+            "per_round_idle_ttft_added_ms": per_round(lambda i, x: x["idle_ttft_p50_ms"] - i["idle_ttft_p50_ms"]),
+        }
+
+    ratios = ratios_of("graph")
+    for side in graphs[1:]:
+        ratios[side] = ratios_of(side)
+    result = {"args": vars(a), "machine": env, **med, "ratios": ratios, "runs": runs}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"\n| metric (median of {a.rounds} rounds) | in-process | graph (HTTP) |\n|---|---|---|")
-    for k, g in graph.items():
-        print(f"| {k} | {inproc.get(k, float('nan')):.2f} | {g:.2f} |")
+    print(f"\n| metric (median of {a.rounds} rounds) | in-process | " + " | ".join(graphs) + " |")
+    print("|---|---|" + "---|" * len(graphs))
+    for k in med["graph"]:
+        cells = " | ".join(f"{med[side].get(k, float('nan')):.2f}" for side in graphs)
+        print(f"| {k} | {inproc.get(k, float('nan')):.2f} | {cells} |")
     print("\nratios:", json.dumps(ratios, indent=1))
-
 
 if __name__ == "__main__":
     main()

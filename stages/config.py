@@ -34,7 +34,7 @@ def valid_api_key(key: str) -> bool:
 
 
 #: Engine settings the Ray replica uses itself; the engine core never sees them.
-_REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s", "fault_injection"}
+_REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s", "fault_injection", "stream_channel"}
 
 
 class EngineSettings(_Strict):
@@ -64,6 +64,9 @@ class EngineSettings(_Strict):
     stall_timeout_s: float = Field(60.0, gt=0)
     #: Seconds between the replica's reports to the Directory (app-wide /health and /metrics).
     report_interval_s: float = Field(1.0, gt=0)
+    #: Tokens of all requests from one Egress replica to one engine replica share one stream, one
+    #: item per engine step (:mod:`stages.engine_channel`); false: one stream item per request per step.
+    stream_channel: bool = True
     #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.faults`). Off.
     fault_injection: bool = False
 

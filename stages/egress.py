@@ -23,6 +23,7 @@ the Ray Serve wrapper.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,11 +34,14 @@ from ray import serve
 
 from stages.detokenizer import IncrementalDetokenizer
 from stages.engine.errors import EngineOverloadedError
+from stages.engine_channel import ChannelClient, Inbox
 from stages.errors import EngineUnavailableError, unwrap_error
 from stages.liveness import ConsumerWatch, own_actor_name
 from stages.openai_format import LogprobFormatter, full_response, sse_event, stream_chunk, usage
 from stages.protocol import (
     AbortRequest,
+    ChannelAttach,
+    ChannelBatch,
     EngineOutput,
     GenerationJob,
     StreamFrame,
@@ -252,7 +256,8 @@ class Egress:
 class EgressDeployment:
     """CPU stage between the engine and Ingress; scale it with ``num_replicas``."""
 
-    def __init__(self, engine: Any, model: str, tracing: dict[str, Any] | None = None) -> None:
+    def __init__(self, engine: Any, model: str, tracing: dict[str, Any] | None = None,
+                 stream_channel: bool = True) -> None:
         from stages.model_info import load_cpu_tokenizer
         from stages.telemetry import configure_tracing
 
@@ -265,17 +270,30 @@ class EgressDeployment:
         #: Open engine calls by request id; a stream whose Ingress replica died is ended by closing it.
         self._engine_calls: dict[str, Any] = {}
         self.consumers = ConsumerWatch(self._end_stream)
+        # The tokens of every request on one engine replica share one stream (stages.engine_channel);
+        # it needs our actor name, which the engine keys the mailbox by.
+        self.channel = ChannelClient(self._attach, _channel_lost) if stream_channel and self.name else None
+
+    def _attach(self, replica: str) -> AsyncIterator[ChannelBatch]:
+        return self._stream_handle.attach.remote(ChannelAttach(replica, self.name))
 
     def _open(self, req: Any) -> EngineStream:
-        gen = self._stream_handle.generate.remote(dataclasses.replace(req, consumer=self.name))
+        channel = self.channel
+        gen = self._stream_handle.generate.remote(dataclasses.replace(req, consumer=self.name,
+                                                                      channel=channel is not None))
         self._engine_calls[req.request_id] = gen
+        inbox = channel.register(req.choice_ids()) if channel is not None else None
 
         async def close() -> None:
             gen.cancel()  # cancellation reaches the engine replica's generator → abort by request id
             if self._engine_calls.get(req.request_id) is gen:
                 del self._engine_calls[req.request_id]
+            if inbox is not None and channel is not None:
+                channel.unregister(inbox)
 
-        return EngineStream(gen, close)
+        if inbox is None or channel is None:
+            return EngineStream(gen, close)
+        return EngineStream(_channel_items(gen, inbox, channel), close)
 
     def _end_stream(self, request_id: str) -> None:
         """The Ingress replica reading this stream died: close the engine call (aborts there)."""
@@ -308,6 +326,38 @@ class EgressDeployment:
                 yield summary
         finally:
             self.consumers.discard(job.consumer, request_id)
+
+
+def _channel_lost(replica: str) -> BaseException:
+    return EngineUnavailableError(f"The engine replica {replica} was lost before the request finished. Retry.")
+
+
+async def _channel_items(gen: Any, inbox: Inbox, channel: ChannelClient) -> AsyncIterator[list[EngineOutput]]:
+    """A channel request's items: the acceptance from its own engine stream, then its outputs as
+    the channel delivers them. The request's own stream stays open beside it (its end or its error
+    is watched: an engine replica that dies fails the request)."""
+    first = await gen.__anext__()
+    inbox.note(first)
+    channel.bind(inbox, first[0].replica or "")
+    watch = asyncio.get_running_loop().create_task(_watch_control(gen, inbox))
+    try:
+        yield first
+        while not inbox.done:
+            yield await inbox.get()
+        # The engine ends a request's stream only after its final output: nothing is lost.
+    finally:
+        watch.cancel()
+
+
+async def _watch_control(gen: Any, inbox: Inbox) -> None:
+    try:
+        async for outs in gen:  # nothing more is expected here; keep anything that comes
+            for out in outs:
+                inbox.push(out)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the engine call failed: so does the request
+        inbox.fail(exc)
 
 
 def _annotate(span: Any, summary: StreamSummary) -> None:

@@ -146,6 +146,9 @@ class EngineRequest:
     consumer: str = ""
     #: Structured output: every choice's tokens must match this grammar (``None``: unconstrained).
     grammar: GrammarSpec | None = None
+    #: After the acceptance item, send the tokens through the consumer's shared channel
+    #: (:mod:`stages.engine_channel`) instead of this request's own stream. Needs ``consumer``.
+    channel: bool = False
 
     def choice_ids(self) -> list[str]:
         """The engine request id of every choice, in choice order."""
@@ -168,6 +171,15 @@ class AbortRequest:
 
     replica: str
     request_ids: list[str]
+
+
+@dataclass
+class ChannelAttach:
+    """Open the channel of ``consumer`` on the engine replica ``replica`` (the router sends it
+    there): one stream carrying every step's outputs of all that consumer's requests."""
+
+    replica: str
+    consumer: str
 
 
 @dataclass
@@ -202,6 +214,16 @@ class EngineOutput:
     def finished(self) -> bool:
         """True on the request's final item."""
         return self.finish_reason is not None
+
+
+@dataclass
+class ChannelBatch:
+    """One item of a consumer's channel: what its requests on ``replica`` produced since the last
+    item, one merged output per engine request (the first item of an attach is empty: a hello that
+    names the replica, so a channel routed to the wrong replica is noticed)."""
+
+    replica: str
+    outputs: list[EngineOutput]
 
 
 @dataclass

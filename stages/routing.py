@@ -13,8 +13,9 @@ replica that looked emptiest at the last report. Requests sharing a prompt prefi
 replica that saw it last (its blocks are likely still cached) unless that replica is busier by
 more than ``affinity_slack`` requests.
 
-Two message kinds are routed specially:
-- :class:`AbortRequest` goes to exactly the replica it names (abort by id must reach the owner).
+Some messages are routed specially:
+- :class:`AbortRequest` goes to exactly the replica it names (abort by id must reach the owner),
+  and so does :class:`ChannelAttach` (a consumer's channel to the replica running its requests).
 - :class:`EngineRequest.avoid_replicas` lists replicas that already refused the request with a
   full queue; they are tried last, so a 429 is retried elsewhere first.
 
@@ -31,7 +32,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from stages.protocol import AbortRequest, EngineRequest
+from stages.protocol import AbortRequest, ChannelAttach, EngineRequest
 
 #: Score of a replica whose waiting queue cannot take the request: it would answer 429.
 FULL = 1e9
@@ -117,9 +118,10 @@ class EngineRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         msg = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if isinstance(msg, AbortRequest):
+        if isinstance(msg, AbortRequest | ChannelAttach):
             target = [r for r in candidate_replicas if r.replica_id.unique_id == msg.replica]
-            # The owner is gone (its requests went with it): any replica answers the no-op.
+            # The owner is gone (its requests went with it): any replica answers an abort's no-op,
+            # and an attach that lands elsewhere says so in its first item (its replica's name).
             return [target or candidate_replicas[:1]]
         if not isinstance(msg, EngineRequest):
             return [candidate_replicas]

@@ -37,7 +37,8 @@ from stages.engine.errors import (
     RequestRejectedError,
 )
 from stages.engine.faults import StepFaults
-from stages.protocol import EngineOutput, EngineRequest, TokenLogprob
+from stages.engine_channel import merge_group
+from stages.protocol import EngineOutput, EngineRequest
 
 logger = logging.getLogger(__name__)
 
@@ -75,30 +76,6 @@ class _Group:
     dropped: set[str] = field(default_factory=set)
     #: The structured-output matcher template, built before choice 0 is added (never on the step thread).
     grammar_template: Any = None
-
-
-def merge_outputs(request_id: str, outs: list[EngineOutput]) -> EngineOutput:
-    """Coalesce consecutive step outputs of one request into one streamed item."""
-    tokens: list[int] = []
-    logprobs: list[TokenLogprob] | None = None
-    timings: dict[str, float] = {}
-    for o in outs:
-        tokens.extend(o.new_token_ids)
-        if o.logprobs is not None:
-            logprobs = (logprobs or []) + o.logprobs
-        timings.update(o.timings)
-    last = outs[-1]
-    return EngineOutput(request_id, tokens, logprobs, last.finish_reason, last.stop_token_id,
-                        last.num_prompt_tokens, last.num_cached_tokens, timings, index=outs[0].index,
-                        replica=next((o.replica for o in outs if o.replica), None))
-
-
-def merge_group(outs: list[EngineOutput]) -> list[EngineOutput]:
-    """Coalesce what accumulated for a request's choices: one output per choice, first-seen order."""
-    by_id: dict[str, list[EngineOutput]] = {}
-    for o in outs:
-        by_id.setdefault(o.request_id, []).append(o)
-    return [merge_outputs(rid, group) for rid, group in by_id.items()]
 
 
 #: Upper bounds (seconds) of the abort-latency histogram.

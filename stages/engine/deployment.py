@@ -32,8 +32,16 @@ from stages.engine.async_engine import AsyncEngine
 from stages.engine.engine import LLMEngine
 from stages.engine.errors import EngineDeadError
 from stages.engine.faults import StepFaults
+from stages.engine_channel import ChannelHub
 from stages.liveness import ConsumerWatch
-from stages.protocol import AbortRequest, EngineOutput, EngineReport, EngineRequest
+from stages.protocol import (
+    AbortRequest,
+    ChannelAttach,
+    ChannelBatch,
+    EngineOutput,
+    EngineReport,
+    EngineRequest,
+)
 
 logger = logging.getLogger("lifecycle.engine")
 
@@ -69,7 +77,9 @@ class EngineDeployment:
                                         replica=self.replica, stall_timeout_s=self.settings.stall_timeout_s,
                                         faults=StepFaults(self.settings.fault_injection))
         # Requests whose Egress replica died are aborted (no zombie decoding: stages.liveness).
-        self.consumers = ConsumerWatch(self._abort_request)
+        self.consumers = ConsumerWatch(self._consumer_gone)
+        #: Each Egress replica's mailbox: the tokens of its channel requests (stages.engine_channel).
+        self.channels = ChannelHub(self.replica)
         # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
         self.async_engine.start(asyncio.get_running_loop())
         self._seq = itertools.count()
@@ -86,19 +96,42 @@ class EngineDeployment:
             raise EngineDeadError(problem + "; the replica will be replaced")
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[list[EngineOutput]]:
-        """Stream the outputs of every choice of one request (first token at once, then coalesced)."""
+        """Stream the outputs of every choice of one request (first token at once, then coalesced).
+
+        With ``request.channel`` this stream carries the acceptance item only and then stays open
+        until the request ends (its cancellation still aborts it); the tokens go to the consumer's
+        channel, which :meth:`attach` streams."""
         self._check_alive()
         choices = tuple(request.choice_ids())
-        self.consumers.add(request.consumer, choices)
+        key = (request.consumer, choices)
+        self.consumers.add(request.consumer, key)
+        channel = request.consumer if request.channel and request.consumer else None
+        if channel is not None:
+            self.channels.open(channel)
         try:
+            first = True
             async for outs in self.async_engine.generate(request):
-                yield outs
+                if first or channel is None:
+                    first = False
+                    yield outs
+                else:
+                    self.channels.push(channel, outs)
         finally:
-            self.consumers.discard(request.consumer, choices)
+            if channel is not None:
+                self.channels.close(channel)
+            self.consumers.discard(request.consumer, key)
 
-    def _abort_request(self, choice_ids: tuple[str, ...]) -> None:
+    async def attach(self, request: ChannelAttach) -> AsyncIterator[ChannelBatch]:
+        """The channel of ``request.consumer`` on this replica (routed here by name): one item per
+        engine step for all its channel requests; ends a moment after the last of them ends."""
+        async for batch in self.channels.attach(request.consumer):
+            yield batch
+
+    def _consumer_gone(self, key: tuple[str, tuple[str, ...]]) -> None:
+        consumer, choice_ids = key
         for rid in choice_ids:
             self.async_engine.abort(rid)
+        self.channels.drop(consumer)
 
     async def abort(self, request: AbortRequest) -> None:
         """Abort by id (no-op if unknown or finished); blocks are free at the next step."""
@@ -110,7 +143,9 @@ class EngineDeployment:
                             max_model_len=self.engine.max_model_len,
                             healthy=self.async_engine.health_problem() is None,
                             stats={**self.async_engine.snapshot(), **self.tracer.counters(),
-                                   "consumer_gone_aborts": self.consumers.ended},
+                                   "consumer_gone_aborts": self.consumers.ended,
+                                   "channel_mailboxes": len(self.channels),
+                                   "channel_pending": self.channels.num_pending()},
                             report_interval_s=self.settings.report_interval_s)
 
     async def stats(self) -> dict[str, Any]:

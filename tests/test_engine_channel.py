@@ -1,0 +1,235 @@
+"""The shared engine → Egress channel, both sides, without Ray: the engine's mailboxes
+(:class:`ChannelHub`) wired straight into Egress's demultiplexer (:class:`ChannelClient`)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from stages.engine_channel import ChannelClient, ChannelHub, Inbox, merge_group
+from stages.protocol import ChannelBatch, EngineOutput
+
+
+class LostError(Exception):
+    pass
+
+
+def run_async(test: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    """Run an async test on a fresh event loop (the suite has no asyncio plugin)."""
+    @functools.wraps(test)
+    def wrapper() -> None:
+        asyncio.run(test())
+    return wrapper
+
+
+def out(rid: str, *tokens: int, finish: str | None = None) -> EngineOutput:
+    return EngineOutput(rid, list(tokens), finish_reason=finish)
+
+
+def wire(hub: ChannelHub, consumer: str = "egress-1") -> tuple[ChannelClient, list[str]]:
+    """A client whose attach calls go straight to ``hub`` (recording each attach's replica)."""
+    attaches: list[str] = []
+
+    def attach(replica: str) -> AsyncIterator[ChannelBatch]:
+        attaches.append(replica)
+        return hub.attach(consumer)
+
+    return ChannelClient(attach, LostError), attaches
+
+
+async def drain(inbox: Inbox) -> list[int]:
+    tokens: list[int] = []
+    while not inbox.done:
+        for o in await asyncio.wait_for(inbox.get(), 5):
+            tokens += o.new_token_ids
+    return tokens
+
+
+def test_merge_group_keeps_one_output_per_request_in_first_seen_order():
+    merged = merge_group([out("a", 1), out("b", 7), out("a", 2, finish="length")])
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in merged] == [
+        ("a", [1, 2], "length"), ("b", [7], None)]
+
+
+@run_async
+async def test_outputs_reach_their_own_request_and_one_batch_carries_every_request():
+    hub = ChannelHub("engine-A", linger_s=0.05)
+    client, attaches = wire(hub)
+    inbox_a, inbox_b = client.register(["a"]), client.register(["b"])
+    hub.open("egress-1")
+    hub.open("egress-1")
+    client.bind(inbox_a, "engine-A")
+    client.bind(inbox_b, "engine-A")
+    # Pushed before the attach is even running: the mailbox keeps them.
+    hub.push("egress-1", [out("a", 1), out("b", 10)])
+    hub.push("egress-1", [out("a", 2), out("b", 11, finish="stop")])
+    hub.push("egress-1", [out("a", 3, finish="length")])
+    assert await drain(inbox_a) == [1, 2, 3]
+    assert await drain(inbox_b) == [10, 11]
+    assert attaches == ["engine-A"], "one attach serves every request on the replica"
+    hub.close("egress-1")
+    hub.close("egress-1")
+    client.unregister(inbox_a)
+    client.unregister(inbox_b)
+    await asyncio.sleep(0.2)
+    assert len(hub) == 0 and client.num_attached() == 0, "both sides let go once idle"
+
+
+@run_async
+async def test_consumer_that_falls_behind_gets_everything_in_one_batch():
+    hub = ChannelHub("engine-A", linger_s=0.05)
+    hub.open("c")
+    for i in range(5):
+        hub.push("c", [out("a", i), out("b", 100 + i)])
+    stream = hub.attach("c")
+    hello = await anext(stream)
+    assert hello.replica == "engine-A" and hello.outputs == []
+    batch = await anext(stream)
+    assert [(o.request_id, o.new_token_ids) for o in batch.outputs] == [("a", [0, 1, 2, 3, 4]),
+                                                                          ("b", [100, 101, 102, 103, 104])]
+    hub.close("c")
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(anext(stream), 2)  # no live request: ends after the linger
+    assert len(hub) == 0
+
+
+@run_async
+async def test_attach_stays_open_while_a_request_is_live_and_ends_after_the_linger():
+    hub = ChannelHub("engine-A", linger_s=0.1)
+    hub.open("c")
+    stream = hub.attach("c")
+    await anext(stream)
+    nxt = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0.3)
+    assert not nxt.done(), "a live request keeps the channel open past the linger"
+    hub.close("c")
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(nxt, 2)
+    assert 0.05 < loop.time() - t0 < 1.0
+
+
+@run_async
+async def test_a_new_request_during_the_linger_keeps_the_channel():
+    hub = ChannelHub("engine-A", linger_s=0.2)
+    hub.open("c")
+    stream = hub.attach("c")
+    await anext(stream)
+    hub.close("c")
+    await asyncio.sleep(0.05)
+    hub.open("c")
+    hub.push("c", [out("x", 5)])
+    batch = await asyncio.wait_for(anext(stream), 1)
+    assert [o.new_token_ids for o in batch.outputs] == [[5]]
+
+
+@run_async
+async def test_a_newer_attach_replaces_the_old_one():
+    hub = ChannelHub("engine-A")
+    hub.open("c")
+    old = hub.attach("c")
+    await anext(old)
+    pending = asyncio.ensure_future(anext(old))
+    new = hub.attach("c")
+    await anext(new)
+    hub.push("c", [out("a", 1)])
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(pending, 1)
+    assert [o.new_token_ids for o in (await asyncio.wait_for(anext(new), 1)).outputs] == [[1]]
+
+
+@run_async
+async def test_dropped_consumer_keeps_nothing():
+    hub = ChannelHub("engine-A")
+    hub.open("c")
+    hub.push("c", [out("a", 1)])
+    hub.drop("c")
+    hub.push("c", [out("a", 2, finish="abort")])  # the abort after the consumer died
+    hub.close("c")
+    assert len(hub) == 0 and hub.num_pending() == 0
+
+
+@run_async
+async def test_client_attaches_again_after_the_channel_went_idle():
+    hub = ChannelHub("engine-A", linger_s=0.05)
+    client, attaches = wire(hub)
+    for rid in ("a", "b"):
+        hub.open("egress-1")  # the engine opens the request before it answers "accepted"
+        inbox = client.register([rid])
+        client.bind(inbox, "engine-A")
+        hub.push("egress-1", [out(rid, 1, finish="stop")])
+        assert await drain(inbox) == [1]
+        hub.close("egress-1")
+        client.unregister(inbox)
+        await asyncio.sleep(0.3)  # past the linger: both sides let go
+        assert len(hub) == 0 and client.num_attached() == 0
+    assert attaches == ["engine-A", "engine-A"]
+
+
+@run_async
+async def test_attach_landing_on_another_replica_fails_the_requests():
+    hub = ChannelHub("engine-B")  # the named replica is gone; the call went to B
+    client, _ = wire(hub)
+    inbox = client.register(["a"])
+    client.bind(inbox, "engine-A")
+    with pytest.raises(LostError):
+        await asyncio.wait_for(inbox.get(), 2)
+
+
+@run_async
+async def test_channel_error_fails_every_request_on_that_replica_only():
+    async def broken(replica: str) -> AsyncIterator[ChannelBatch]:
+        yield ChannelBatch(replica, [])
+        if replica == "engine-A":
+            raise ConnectionError("replica died")
+        await asyncio.sleep(10)
+
+    client = ChannelClient(broken, LostError)
+    a1, a2, b = client.register(["a1"]), client.register(["a2"]), client.register(["b"])
+    client.bind(a1, "engine-A")
+    client.bind(a2, "engine-A")
+    client.bind(b, "engine-B")
+    for inbox in (a1, a2):
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(inbox.get(), 2)
+    get_b = asyncio.ensure_future(b.get())
+    await asyncio.sleep(0.1)
+    assert not get_b.done(), "another replica's requests are not touched"
+    get_b.cancel()
+
+
+@run_async
+async def test_channel_that_keeps_ending_empty_fails_its_requests():
+    async def empty(replica: str) -> AsyncIterator[ChannelBatch]:
+        yield ChannelBatch(replica, [])  # hello, then the stream ends: the replica lost them
+
+    client = ChannelClient(empty, LostError)
+    inbox = client.register(["a"])
+    client.bind(inbox, "engine-A")
+    with pytest.raises(LostError):
+        await asyncio.wait_for(inbox.get(), 2)
+
+
+@run_async
+async def test_inbox_hands_over_what_arrived_before_the_failure():
+    inbox = Inbox(["a"])
+    inbox.push(out("a", 1))
+    inbox.fail(LostError("x"))
+    assert [o.new_token_ids for o in await inbox.get()] == [[1]]
+    with pytest.raises(LostError):
+        await inbox.get()
+
+
+def test_inbox_counts_choices_finished_on_the_acceptance_item():
+    inbox = Inbox(["r-0", "r-1"])
+    inbox.note([out("r-0", 4, finish="length")])
+    assert not inbox.done
+    inbox.push(out("r-1", 5, finish="stop"))
+    assert not inbox.done, "delivered is not taken: the final output must still be read"
+    asyncio.run(inbox.get())
+    assert inbox.done
