@@ -38,13 +38,16 @@ def _cpu_s(stat_path: str) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def _name(pid: str) -> str | None:
+def _name(pid: str, app: str | None = None) -> str | None:
     try:
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
     except OSError:
         return None
     if cmd.startswith("ray::ServeReplica:"):
-        return cmd.split(":")[-1]  # the deployment: Engine, Egress, Ingress, ...
+        replica_app, _, deployment = cmd[len("ray::ServeReplica:"):].partition(":")
+        if app is not None and replica_app != app:
+            return None  # another app's replica (idle while this one is measured)
+        return deployment.split()[0]  # Engine, Egress, Ingress, ...
     if cmd.startswith("ray::"):
         return cmd[5:].split(".")[0].split()[0]  # ProxyActor, ServeController, IDLE, ...
     for daemon in ("raylet", "gcs_server", "dashboard", "log_monitor", "monitor.py"):
@@ -53,14 +56,14 @@ def _name(pid: str) -> str | None:
     return None
 
 
-def snapshot() -> dict[str, float]:
+def snapshot(app: str | None = None) -> dict[str, float]:
     """CPU seconds so far: per Ray process kind, per engine-replica thread (``Engine/<thread>``),
     and this process (``client``)."""
     out: dict[str, float] = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
-        name = "client" if int(pid) == os.getpid() else _name(pid)
+        name = "client" if int(pid) == os.getpid() else _name(pid, app)
         if name is None:
             continue
         try:
@@ -91,11 +94,12 @@ def main() -> None:
     p.add_argument("--url", required=True)
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--app", default=None, help="count only this Serve app's replicas (default: all)")
     p.add_argument("--out", default="")
     a = p.parse_args()
-    before = snapshot()
+    before = snapshot(a.app)
     tokens, wall = asyncio.run(load(a.url, a.streams, a.tokens))
-    after = snapshot()
+    after = snapshot(a.app)
     used = {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0.005}
     total = sum(v for k, v in used.items() if "/" not in k)
     result = {"streams": a.streams, "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,

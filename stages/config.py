@@ -65,7 +65,7 @@ class EngineSettings(_Strict):
     #: Seconds between the replica's reports to the Directory (app-wide /health and /metrics).
     report_interval_s: float = Field(1.0, gt=0)
     #: Tokens of all requests from one Egress replica to one engine replica share one stream, one
-    #: item per engine step (:mod:`stages.engine_channel`); false: one stream item per request per step.
+    #: item per engine step (:mod:`stages.channel`); false: one stream item per request per step.
     stream_channel: bool = True
     #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.faults`). Off.
     fault_injection: bool = False

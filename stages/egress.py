@@ -8,7 +8,10 @@ through to the client.
 What Ingress receives is typed (:mod:`stages.protocol`): a :class:`StreamStart` once the engine has
 accepted the request (with the engine replica that runs it, for cancel by id), one
 :class:`StreamFrame` per SSE event, and a :class:`StreamSummary` (holding the whole body when the
-client did not stream).
+client did not stream). Both hops use the shared channels of :mod:`stages.channel` by default: the
+engine's tokens arrive in one item per step for all of this replica's requests, and the frames go
+to each Ingress replica in one item for all of its requests; each request's own streams carry only
+its start, its cancellation and its failure.
 
 Abort paths that start here: a stop string found in one choice's text (the engine cannot see
 text) aborts that choice alone, by id, on the engine replica that runs it; the caller going away
@@ -23,7 +26,6 @@ the Ray Serve wrapper.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,12 +33,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
+from stages.channel import ChannelClient, ChannelHub, engine_items
 from stages.detokenizer import IncrementalDetokenizer
 from stages.engine.errors import EngineOverloadedError
-from stages.engine_channel import ChannelClient, Inbox
 from stages.errors import EngineUnavailableError, unwrap_error
-from stages.liveness import ConsumerWatch, own_actor_name
+from stages.liveness import ConsumerWatch, own_actor_name, own_replica_id
 from stages.openai_format import LogprobFormatter, full_response, sse_event, stream_chunk, usage
 from stages.protocol import (
     AbortRequest,
@@ -44,6 +47,7 @@ from stages.protocol import (
     ChannelBatch,
     EngineOutput,
     GenerationJob,
+    RoutedFrame,
     StreamFrame,
     StreamStart,
     StreamSummary,
@@ -252,7 +256,8 @@ class Egress:
         yield summary
 
 
-@serve.deployment(name="Egress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25})
+@serve.deployment(name="Egress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25},
+                  request_router_config=RequestRouterConfig(request_router_class="stages.routing.EgressRouter"))
 class EgressDeployment:
     """CPU stage between the engine and Ingress; scale it with ``num_replicas``."""
 
@@ -269,10 +274,13 @@ class EgressDeployment:
         self.name = own_actor_name()
         #: Open engine calls by request id; a stream whose Ingress replica died is ended by closing it.
         self._engine_calls: dict[str, Any] = {}
-        self.consumers = ConsumerWatch(self._end_stream)
-        # The tokens of every request on one engine replica share one stream (stages.engine_channel);
+        self.consumers = ConsumerWatch(self._consumer_gone)
+        # The tokens of every request on one engine replica share one stream (stages.channel);
         # it needs our actor name, which the engine keys the mailbox by.
         self.channel = ChannelClient(self._attach, _channel_lost) if stream_channel and self.name else None
+        #: Each Ingress replica's mailbox: the frames of its channel requests (stages.channel).
+        self.replica = own_replica_id()
+        self.frames = ChannelHub(self.replica)
 
     def _attach(self, replica: str) -> AsyncIterator[ChannelBatch]:
         return self._stream_handle.attach.remote(ChannelAttach(replica, self.name))
@@ -293,13 +301,15 @@ class EgressDeployment:
 
         if inbox is None or channel is None:
             return EngineStream(gen, close)
-        return EngineStream(_channel_items(gen, inbox, channel), close)
+        return EngineStream(engine_items(gen, inbox, channel), close)
 
-    def _end_stream(self, request_id: str) -> None:
+    def _consumer_gone(self, key: tuple[str, str]) -> None:
         """The Ingress replica reading this stream died: close the engine call (aborts there)."""
+        consumer, request_id = key
         gen = self._engine_calls.pop(request_id, None)
         if gen is not None:
             gen.cancel()
+        self.frames.drop(consumer)
 
     async def _abort(self, req: AbortRequest) -> None:
         await self.engine.abort.remote(req)
@@ -308,56 +318,61 @@ class EgressDeployment:
         """Liveness for the app's ``/health``."""
         return True
 
+    async def attach(self, request: ChannelAttach) -> AsyncIterator[ChannelBatch]:
+        """The channel of the Ingress replica ``request.consumer`` (routed here by name): the
+        frames of all its channel requests, one item per wake-up; ends a moment after the last."""
+        async for batch in self.frames.attach(request.consumer):
+            yield batch
+
     async def stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
+        """The request's :class:`StreamStart`, frames and summary. With ``job.channel`` only the
+        start comes here: the rest, or an error met after the start, goes to the consumer's
+        channel in order, and this stream stays open until the summary is sent."""
         summary: StreamSummary | None = None
         request_id = job.engine_request.request_id
-        self.consumers.add(job.consumer, request_id)
+        key = (job.consumer, request_id)
+        self.consumers.add(job.consumer, key)
+        channel = job.consumer if job.channel and job.consumer else None
+        started = False
+        if channel is not None:
+            self.frames.open(channel)
         try:
             with span_from_context(get_tracer(), "egress.stream" if job.stream else "egress.complete",
                                    job.engine_request.trace_context,
                                    {"lifecycle.request_id": request_id}) as span:
-                async for item in self.egress.stream(job):
-                    if isinstance(item, StreamSummary):
-                        _annotate(span, item)
-                        summary = item
-                        break  # end the span before the last item: the caller may answer at once
-                    yield item
+                try:
+                    async for item in self.egress.stream(job):
+                        if isinstance(item, StreamSummary):
+                            _annotate(span, item)
+                            summary = item
+                            break  # end the span before the last item: the caller may answer at once
+                        if isinstance(item, StreamStart):
+                            item.egress_replica = self.replica
+                            started = True
+                            yield item
+                        elif channel is not None:
+                            self.frames.push(channel, [RoutedFrame(request_id, item)])
+                        else:
+                            yield item
+                except Exception as exc:
+                    if channel is None or not started:
+                        raise
+                    # After the start the client hears of it in order, after the frames before it.
+                    self.frames.push(channel, [RoutedFrame(request_id, error=exc)])
+                    return
             if summary is not None:
-                yield summary
+                if channel is not None:
+                    self.frames.push(channel, [RoutedFrame(request_id, summary)])
+                else:
+                    yield summary
         finally:
-            self.consumers.discard(job.consumer, request_id)
+            if channel is not None:
+                self.frames.close(channel)
+            self.consumers.discard(job.consumer, key)
 
 
 def _channel_lost(replica: str) -> BaseException:
     return EngineUnavailableError(f"The engine replica {replica} was lost before the request finished. Retry.")
-
-
-async def _channel_items(gen: Any, inbox: Inbox, channel: ChannelClient) -> AsyncIterator[list[EngineOutput]]:
-    """A channel request's items: the acceptance from its own engine stream, then its outputs as
-    the channel delivers them. The request's own stream stays open beside it (its end or its error
-    is watched: an engine replica that dies fails the request)."""
-    first = await gen.__anext__()
-    inbox.note(first)
-    channel.bind(inbox, first[0].replica or "")
-    watch = asyncio.get_running_loop().create_task(_watch_control(gen, inbox))
-    try:
-        yield first
-        while not inbox.done:
-            yield await inbox.get()
-        # The engine ends a request's stream only after its final output: nothing is lost.
-    finally:
-        watch.cancel()
-
-
-async def _watch_control(gen: Any, inbox: Inbox) -> None:
-    try:
-        async for outs in gen:  # nothing more is expected here; keep anything that comes
-            for out in outs:
-                inbox.push(out)
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - the engine call failed: so does the request
-        inbox.fail(exc)
 
 
 def _annotate(span: Any, summary: StreamSummary) -> None:

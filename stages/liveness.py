@@ -44,6 +44,16 @@ def own_actor_name() -> str:
         return ""
 
 
+def own_replica_id() -> str:
+    """This Serve replica's unique id (what routers and reports name it by), ``"local"`` outside Serve."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # noqa: BLE001 - outside Serve (unit tests, the in-process benchmark)
+        return "local"
+
+
 def _namespace() -> str:
     """Serve names every replica actor in its own namespace (not the job's, which the runtime
     context reports: looking a replica up there finds nothing, and every consumer seemed dead)."""

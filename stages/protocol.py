@@ -147,7 +147,7 @@ class EngineRequest:
     #: Structured output: every choice's tokens must match this grammar (``None``: unconstrained).
     grammar: GrammarSpec | None = None
     #: After the acceptance item, send the tokens through the consumer's shared channel
-    #: (:mod:`stages.engine_channel`) instead of this request's own stream. Needs ``consumer``.
+    #: (:mod:`stages.channel`) instead of this request's own stream. Needs ``consumer``.
     channel: bool = False
 
     def choice_ids(self) -> list[str]:
@@ -175,8 +175,8 @@ class AbortRequest:
 
 @dataclass
 class ChannelAttach:
-    """Open the channel of ``consumer`` on the engine replica ``replica`` (the router sends it
-    there): one stream carrying every step's outputs of all that consumer's requests."""
+    """Open the channel of ``consumer`` on the replica ``replica`` (an engine or Egress replica;
+    the router sends it there): one stream carrying the items of all that consumer's requests."""
 
     replica: str
     consumer: str
@@ -218,12 +218,13 @@ class EngineOutput:
 
 @dataclass
 class ChannelBatch:
-    """One item of a consumer's channel: what its requests on ``replica`` produced since the last
-    item, one merged output per engine request (the first item of an attach is empty: a hello that
-    names the replica, so a channel routed to the wrong replica is noticed)."""
+    """One item of a consumer's channel (:mod:`stages.channel`): what its requests on ``replica``
+    produced since the last item. From an engine, one merged :class:`EngineOutput` per engine
+    request; from Egress, :class:`RoutedFrame` items in order. The first item of an attach is
+    empty: a hello that names the replica, so a channel routed to the wrong replica is noticed."""
 
     replica: str
-    outputs: list[EngineOutput]
+    items: list[Any]
 
 
 @dataclass
@@ -273,6 +274,9 @@ class GenerationJob:
     #: ``"auto"``/``"required"`` (finish reason ``tool_calls`` when there are any), ``"named"``
     #: (finish reason ``stop``, as OpenAI does for a forced function), ``None`` (no tools).
     tool_parsing: str | None = None
+    #: After the :class:`StreamStart`, send the frames and the summary through the consumer's
+    #: shared channel (:mod:`stages.channel`) instead of this request's own stream. Needs ``consumer``.
+    channel: bool = False
 
 
 # -- Egress → Ingress -------------------------------------------------------------------------------
@@ -284,6 +288,8 @@ class StreamStart:
     engine_replica: str
     engine_request_ids: list[str]
     prompt_tokens: int
+    #: The Egress replica running the request (its frames come through that replica's channel).
+    egress_replica: str = ""
 
 
 @dataclass
@@ -318,6 +324,16 @@ class StreamSummary:
 
 
 EgressItem = StreamStart | StreamFrame | StreamSummary
+
+
+@dataclass
+class RoutedFrame:
+    """An Egress item in a channel batch, named by its request; ``error`` instead of ``item`` when
+    the request failed in Egress after its start (it reaches Ingress in order, after the frames)."""
+
+    request_id: str
+    item: StreamFrame | StreamSummary | None = None
+    error: BaseException | None = None
 
 
 # -- the live-request directory ---------------------------------------------------------------------

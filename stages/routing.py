@@ -157,3 +157,16 @@ class EngineRouter(RequestRouter):
             self._sent[rid] = (load.seq, 0)  # a fresh report already counts what we sent before it
             return 0
         return sent
+
+
+class EgressRouter(RequestRouter):
+    """Serve ``RequestRouter`` for Egress: an Ingress replica's :class:`ChannelAttach` goes to the
+    Egress replica it names; every other call to the least busy replica (Serve's queue lengths)."""
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        msg = pending_request.args[0] if pending_request is not None and pending_request.args else None
+        if isinstance(msg, ChannelAttach):
+            target = [r for r in candidate_replicas if r.replica_id.unique_id == msg.replica]
+            return [target or candidate_replicas[:1]]  # elsewhere: its first item says so
+        return [candidate_replicas]

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
+from stages.channel import merge_outputs
 from stages.engine.async_engine import AsyncEngine
 from stages.engine.errors import DuplicateRequestIdError, EngineOverloadedError, RequestRejectedError
-from stages.engine_channel import merge_outputs
 from stages.protocol import EngineOutput, EngineRequest
 from tests.fakes import make_engine, params, reference
 

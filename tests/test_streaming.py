@@ -426,3 +426,38 @@ def test_stop_string_in_one_choice_ends_only_that_choice(serve_app: Any, n: int,
     if stream:
         assert lines[-1] == "[DONE]" and set(finishes) == set(range(n))
     wait_idle(serve_app)
+
+
+# -- the shared channels between the stages (stages/channel.py) ----------------------------------------
+def test_concurrent_streams_share_one_engine_channel_and_each_gets_its_own_tokens(serve_app: Any) -> None:
+    """Six streams at once: each gets exactly the text it gets alone (no token reaches another
+    request), while the engine sent them through one channel, several requests per item; once idle
+    the engine keeps no mailbox and nothing pending."""
+    prompts = [f"Count from {i} to {i + 20}, separated by commas:" for i in range(6)]
+    body = {"model": MODEL_NAME, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    before = wait_idle(serve_app)
+    results: dict[int, SSE] = {}
+
+    def one(i: int) -> None:
+        results[i] = stream_sse(serve_app.url, "/v1/completions", {**body, "prompt": prompts[i], "stream": True})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    during = serve_app.engine_stats()
+    batches = during["channel_batches"] - before["channel_batches"]
+    items = during["channel_items"] - before["channel_items"]
+    for i, prompt in enumerate(prompts):
+        sse = results[i]
+        check_framing(sse, "completion", include_usage=False)
+        alone = httpx.post(serve_app.url + "/v1/completions", json={**body, "prompt": prompt}, timeout=120).json()
+        assert streamed_text(sse, "completion") == alone["choices"][0]["text"], f"stream {i} got other tokens"
+    # Each stream's 24 tokens came through the channel (its first item may ride on its own stream).
+    assert items >= len(prompts) * 20, (items, batches)
+    assert items / batches > 1.5, f"the channel carried {items} outputs in {batches} items: not shared"
+    deadline = time.monotonic() + 10
+    while (stats := serve_app.engine_stats())["channel_mailboxes"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert stats["channel_mailboxes"] == 0 and stats["channel_pending"] == 0, stats

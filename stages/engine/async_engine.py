@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.channel import merge_group
 from stages.engine.engine import EngineStats, LLMEngine
 from stages.engine.errors import (
     DuplicateRequestIdError,
@@ -37,7 +38,6 @@ from stages.engine.errors import (
     RequestRejectedError,
 )
 from stages.engine.faults import StepFaults
-from stages.engine_channel import merge_group
 from stages.protocol import EngineOutput, EngineRequest
 
 logger = logging.getLogger(__name__)

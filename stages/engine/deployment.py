@@ -1,7 +1,9 @@
 """The Engine deployment: a thin Ray Serve adapter around :class:`AsyncEngine`.
 
 One replica per GPU (CPU fallback). The step loop runs on its own thread inside the replica;
-``generate`` streams all choices of a request, coalesced. Cancelling the stream (the caller went
+``generate`` streams all choices of a request, coalesced, or (``request.channel``) only their
+acceptance, while the tokens go to the consumer's mailbox, which ``attach`` streams: one item per
+step for all of that Egress replica's requests (:mod:`stages.channel`). Cancelling the stream (the caller went
 away, or a stop string ended every choice) runs ``AsyncEngine.generate``'s ``finally``, which
 aborts the request by id so its blocks are free at the next step (and a stream whose reading Egress
 replica died is aborted by :class:`stages.liveness.ConsumerWatch`, since a killed caller cancels
@@ -27,13 +29,13 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from stages.channel import ChannelHub, merge_group
 from stages.config import EngineSettings
 from stages.engine.async_engine import AsyncEngine
 from stages.engine.engine import LLMEngine
 from stages.engine.errors import EngineDeadError
 from stages.engine.faults import StepFaults
-from stages.engine_channel import ChannelHub
-from stages.liveness import ConsumerWatch
+from stages.liveness import ConsumerWatch, own_replica_id
 from stages.protocol import (
     AbortRequest,
     ChannelAttach,
@@ -44,13 +46,6 @@ from stages.protocol import (
 )
 
 logger = logging.getLogger("lifecycle.engine")
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - outside Serve (tests): a stable placeholder
-        return "local"
 
 
 @serve.deployment(name="Engine", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1},
@@ -69,7 +64,7 @@ class EngineDeployment:
         configure_logging()
         configure_tracing(tracing, component="engine")
         self.settings = EngineSettings(**(engine or {}))
-        self.replica = _replica_id()
+        self.replica = own_replica_id()
         self.engine = LLMEngine.from_config(self.settings.to_engine_config(model))
         self.tracer = EngineTracer()
         self.engine.on_finish = self.tracer.on_finish
@@ -78,8 +73,8 @@ class EngineDeployment:
                                         faults=StepFaults(self.settings.fault_injection))
         # Requests whose Egress replica died are aborted (no zombie decoding: stages.liveness).
         self.consumers = ConsumerWatch(self._consumer_gone)
-        #: Each Egress replica's mailbox: the tokens of its channel requests (stages.engine_channel).
-        self.channels = ChannelHub(self.replica)
+        #: Each Egress replica's mailbox: the tokens of its channel requests (stages.channel).
+        self.channels = ChannelHub(self.replica, merge=merge_group)
         # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
         self.async_engine.start(asyncio.get_running_loop())
         self._seq = itertools.count()
@@ -145,7 +140,9 @@ class EngineDeployment:
                             stats={**self.async_engine.snapshot(), **self.tracer.counters(),
                                    "consumer_gone_aborts": self.consumers.ended,
                                    "channel_mailboxes": len(self.channels),
-                                   "channel_pending": self.channels.num_pending()},
+                                   "channel_pending": self.channels.num_pending(),
+                                   "channel_batches": self.channels.batches_sent,
+                                   "channel_items": self.channels.items_sent},
                             report_interval_s=self.settings.report_interval_s)
 
     async def stats(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from stages.channel import ChannelClient, FrameStream
 from stages.config import AppConfig
 from stages.errors import (
     EngineUnavailableError,
@@ -53,7 +54,7 @@ from stages.ingress.views import (
     health_problems,
     report_metrics_forever,
 )
-from stages.liveness import own_actor_name
+from stages.liveness import own_actor_name, own_replica_id
 from stages.metrics import IngressMetrics, RequestRecord, render_app
 from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
 from stages.openai_fields import preprocess_fields, tool_parsing
@@ -65,7 +66,7 @@ from stages.openai_schema import (
     parse_request,
     to_sampling_params,
 )
-from stages.protocol import AbortRequest, GenerationJob, PreprocessRequest, StreamSummary
+from stages.protocol import AbortRequest, ChannelAttach, GenerationJob, PreprocessRequest, StreamSummary
 from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -88,15 +89,12 @@ def validate_request_id(value: str | None) -> str | None:
     return value
 
 
+def _egress_lost(replica: str) -> BaseException:
+    return EngineUnavailableError(f"The Egress replica {replica} was lost before the request finished. Retry.")
+
+
 def _ms(seconds: float | None) -> float:
     return round((seconds or 0.0) * 1000.0, 3)
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # noqa: BLE001 - outside Serve (unit tests)
-        return "local"
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 0.25},
@@ -128,8 +126,11 @@ class Ingress:
             EMBEDDED_SERVED_NAME if self.cfg.model == EMBEDDED_MODEL else self.cfg.model.rstrip("/").split("/")[-1])
         self.metrics = IngressMetrics(self.served_name)
         self.created = int(time.time())
-        self.replica = _replica_id()
+        self.replica = own_replica_id()
         self.actor_name = own_actor_name()  # Egress ends our streams if this replica dies
+        # The frames of every request on one Egress replica share one stream (stages.channel).
+        self.frames = (ChannelClient(self._attach_egress, _egress_lost)
+                       if self.cfg.engine.stream_channel and self.actor_name else None)
         self.engine_liveness = EngineLiveness(directory)
         self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close)
         self._background = []
@@ -209,6 +210,7 @@ class Ingress:
                                    client_request_id=label if label and len(label) <= MAX_REQUEST_ID_LEN else None)
         span.set_attribute("lifecycle.request_id", live.request_id)
         gen: Any = None
+        inbox = None
         try:
             validate_request_id(label)
             if label is not None:
@@ -239,13 +241,17 @@ class Ingress:
                                 response_id=live.response_id, created=int(time.time()), n=req.n,
                                 stream=req.stream, include_usage=req.include_usage,
                                 echo=getattr(req, "echo", False), consumer=self.actor_name,
-                                tool_parsing=tool_parsing(req))
+                                tool_parsing=tool_parsing(req), channel=self.frames is not None)
+            if self.frames is not None:
+                inbox = self.frames.register_frames(engine_request.request_id)
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
             live.dispatched_at = time.perf_counter()
             gen = self.egress_stream.stream.remote(job)
             deadline = self._deadline(live)
             start = await asyncio.wait_for(first_item(gen), deadline - time.perf_counter() if deadline else None)
+            if inbox is not None and self.frames is not None:
+                gen = FrameStream(gen, inbox, self.frames, start.egress_replica)
             self.lifecycle.started(live, start)
             if req.stream:
                 return self._stream(gen, job, live)
@@ -253,6 +259,8 @@ class Ingress:
         except BaseException as exc:
             if gen is not None:
                 gen.cancel()
+            if inbox is not None and self.frames is not None:
+                self.frames.unregister(inbox)
             if isinstance(exc, asyncio.CancelledError):
                 self.lifecycle.close(live, "client_gone")
                 raise
@@ -260,6 +268,9 @@ class Ingress:
             live.status = err.status_code
             self.lifecycle.close(live, "timeout" if isinstance(err, RequestTimeoutError) else "error")
             return error_response(err, headers=self._id_headers(live))
+
+    def _attach_egress(self, replica: str) -> Any:
+        return self.egress_stream.attach.remote(ChannelAttach(replica, self.actor_name))
 
     def _id_headers(self, live: LiveRequest) -> dict[str, str]:
         return {SERVER_ID_HEADER: live.request_id}

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from stages.engine_channel import ChannelClient, ChannelHub, Inbox, merge_group
-from stages.protocol import ChannelBatch, EngineOutput
+from stages.channel import ChannelClient, ChannelHub, FrameStream, Inbox, merge_group
+from stages.protocol import ChannelBatch, EngineOutput, RoutedFrame, StreamFrame, StreamSummary
 
 
 class LostError(Exception):
@@ -57,7 +57,7 @@ def test_merge_group_keeps_one_output_per_request_in_first_seen_order():
 
 @run_async
 async def test_outputs_reach_their_own_request_and_one_batch_carries_every_request():
-    hub = ChannelHub("engine-A", linger_s=0.05)
+    hub = ChannelHub("engine-A", merge=merge_group, linger_s=0.05)
     client, attaches = wire(hub)
     inbox_a, inbox_b = client.register(["a"]), client.register(["b"])
     hub.open("egress-1")
@@ -81,15 +81,15 @@ async def test_outputs_reach_their_own_request_and_one_batch_carries_every_reque
 
 @run_async
 async def test_consumer_that_falls_behind_gets_everything_in_one_batch():
-    hub = ChannelHub("engine-A", linger_s=0.05)
+    hub = ChannelHub("engine-A", merge=merge_group, linger_s=0.05)
     hub.open("c")
     for i in range(5):
         hub.push("c", [out("a", i), out("b", 100 + i)])
     stream = hub.attach("c")
     hello = await anext(stream)
-    assert hello.replica == "engine-A" and hello.outputs == []
+    assert hello.replica == "engine-A" and hello.items == []
     batch = await anext(stream)
-    assert [(o.request_id, o.new_token_ids) for o in batch.outputs] == [("a", [0, 1, 2, 3, 4]),
+    assert [(o.request_id, o.new_token_ids) for o in batch.items] == [("a", [0, 1, 2, 3, 4]),
                                                                           ("b", [100, 101, 102, 103, 104])]
     hub.close("c")
     with pytest.raises(StopAsyncIteration):
@@ -99,7 +99,7 @@ async def test_consumer_that_falls_behind_gets_everything_in_one_batch():
 
 @run_async
 async def test_attach_stays_open_while_a_request_is_live_and_ends_after_the_linger():
-    hub = ChannelHub("engine-A", linger_s=0.1)
+    hub = ChannelHub("engine-A", merge=merge_group, linger_s=0.1)
     hub.open("c")
     stream = hub.attach("c")
     await anext(stream)
@@ -116,7 +116,7 @@ async def test_attach_stays_open_while_a_request_is_live_and_ends_after_the_ling
 
 @run_async
 async def test_a_new_request_during_the_linger_keeps_the_channel():
-    hub = ChannelHub("engine-A", linger_s=0.2)
+    hub = ChannelHub("engine-A", merge=merge_group, linger_s=0.2)
     hub.open("c")
     stream = hub.attach("c")
     await anext(stream)
@@ -125,12 +125,12 @@ async def test_a_new_request_during_the_linger_keeps_the_channel():
     hub.open("c")
     hub.push("c", [out("x", 5)])
     batch = await asyncio.wait_for(anext(stream), 1)
-    assert [o.new_token_ids for o in batch.outputs] == [[5]]
+    assert [o.new_token_ids for o in batch.items] == [[5]]
 
 
 @run_async
 async def test_a_newer_attach_replaces_the_old_one():
-    hub = ChannelHub("engine-A")
+    hub = ChannelHub("engine-A", merge=merge_group)
     hub.open("c")
     old = hub.attach("c")
     await anext(old)
@@ -140,12 +140,12 @@ async def test_a_newer_attach_replaces_the_old_one():
     hub.push("c", [out("a", 1)])
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(pending, 1)
-    assert [o.new_token_ids for o in (await asyncio.wait_for(anext(new), 1)).outputs] == [[1]]
+    assert [o.new_token_ids for o in (await asyncio.wait_for(anext(new), 1)).items] == [[1]]
 
 
 @run_async
 async def test_dropped_consumer_keeps_nothing():
-    hub = ChannelHub("engine-A")
+    hub = ChannelHub("engine-A", merge=merge_group)
     hub.open("c")
     hub.push("c", [out("a", 1)])
     hub.drop("c")
@@ -156,7 +156,7 @@ async def test_dropped_consumer_keeps_nothing():
 
 @run_async
 async def test_client_attaches_again_after_the_channel_went_idle():
-    hub = ChannelHub("engine-A", linger_s=0.05)
+    hub = ChannelHub("engine-A", merge=merge_group, linger_s=0.05)
     client, attaches = wire(hub)
     for rid in ("a", "b"):
         hub.open("egress-1")  # the engine opens the request before it answers "accepted"
@@ -173,7 +173,7 @@ async def test_client_attaches_again_after_the_channel_went_idle():
 
 @run_async
 async def test_attach_landing_on_another_replica_fails_the_requests():
-    hub = ChannelHub("engine-B")  # the named replica is gone; the call went to B
+    hub = ChannelHub("engine-B", merge=merge_group)  # the named replica is gone; the call went to B
     client, _ = wire(hub)
     inbox = client.register(["a"])
     client.bind(inbox, "engine-A")
@@ -233,3 +233,81 @@ def test_inbox_counts_choices_finished_on_the_acceptance_item():
     assert not inbox.done, "delivered is not taken: the final output must still be read"
     asyncio.run(inbox.get())
     assert inbox.done
+
+
+# -- the Egress → Ingress frame channel -----------------------------------------------------------
+class FakeControl:
+    """A request's own stream as Ingress holds it: nothing comes; ``cancel`` ends it."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        self.cancelled = False
+        self.error = error
+        self._ended = asyncio.Event()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._ended.set()
+
+    def __aiter__(self) -> FakeControl:
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        await self._ended.wait()
+        raise StopAsyncIteration
+
+
+def frame(rid: str, text: str) -> RoutedFrame:
+    return RoutedFrame(rid, StreamFrame(text, 0, 1, None))
+
+
+def summary(rid: str) -> RoutedFrame:
+    return RoutedFrame(rid, StreamSummary(1, 2, 0, ["stop"], {}, 0.0))
+
+
+@run_async
+async def test_frames_of_many_requests_share_one_batch_and_keep_their_order():
+    hub = ChannelHub("egress-A", linger_s=0.05)  # frames are not merged
+    client, attaches = wire(hub, consumer="ingress-1")
+    inboxes = {rid: client.register_frames(rid) for rid in ("r1", "r2")}
+    streams = {}
+    for rid, inbox in inboxes.items():
+        hub.open("ingress-1")
+        streams[rid] = FrameStream(FakeControl(), inbox, client, "egress-A")
+    for i in range(3):
+        hub.push("ingress-1", [frame("r1", f"a{i}"), frame("r2", f"b{i}")])
+    hub.push("ingress-1", [summary("r1"), summary("r2")])
+    for rid, prefix in (("r1", "a"), ("r2", "b")):
+        got = [await asyncio.wait_for(anext(streams[rid]), 2) for _ in range(4)]
+        assert [g.data for g in got[:3]] == [f"{prefix}{i}" for i in range(3)]
+        assert isinstance(got[3], StreamSummary)
+    assert attaches == ["egress-A"]
+    assert not client._inboxes, "a stream lets go of its inbox at its summary"
+
+
+@run_async
+async def test_an_error_after_the_start_arrives_after_the_frames_before_it():
+    client = ChannelClient(lambda r: ChannelHub(r).attach("x"), LostError)
+    inbox = client.register_frames("r1")
+    inbox.push(frame("r1", "hello"))
+    inbox.push(RoutedFrame("r1", error=LostError("engine went away")))
+    stream = FrameStream(FakeControl(), inbox, client, "egress-A")
+    assert (await anext(stream)).data == "hello"
+    with pytest.raises(LostError, match="engine went away"):
+        await anext(stream)
+
+
+@run_async
+async def test_cancel_cancels_the_requests_own_stream_and_a_failed_one_fails_the_request():
+    hub = ChannelHub("egress-A")
+    client, _ = wire(hub, consumer="ingress-1")
+    control = FakeControl()
+    stream = FrameStream(control, client.register_frames("r1"), client, "egress-A")
+    stream.cancel()
+    assert control.cancelled and not client._inboxes
+
+    broken = FrameStream(FakeControl(error=ConnectionError("Egress replica died")),
+                         client.register_frames("r2"), client, "egress-A")
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(anext(broken), 2)

@@ -1,24 +1,30 @@
-"""One stream per Egress–engine replica pair for the tokens of all the requests between them.
+"""Shared streams between the replicas of two stages: one per consumer–producer replica pair.
 
 Why: every item a Serve stream carries costs both ends a round of serialisation, gRPC and event
 loop wake-ups (about 0.6 ms of CPU per item per hop, measured). With one stream per request, an
-engine step at 32 streams sends 32 items to Egress; on a small machine that CPU is taken from the
-engine's own step. Here a step sends one item per Egress replica, whatever the batch size.
+engine step at 32 streams sends 32 items to Egress, and Egress 32 more to Ingress; on a small
+machine that CPU is taken from the engine's own step. Through a channel a step sends one item per
+consumer replica, whatever the batch size. Two hops use it:
 
-What stays per request: each request keeps its own engine stream for *control*. It carries the
-acceptance (or the refusal: a full queue is still retried elsewhere), cancelling it aborts the
-request in the engine, it fails when the engine replica dies, and the engine's consumer watch ends
-it when the Egress replica dies (:mod:`stages.liveness`). Only the tokens move: after the
-acceptance item the engine puts the request's outputs in its consumer's mailbox
-(:class:`ChannelHub`), and the consumer's ``attach`` stream to that replica drains the mailbox,
-everything that accumulated in one :class:`~stages.protocol.ChannelBatch`. Egress's
-:class:`ChannelClient` opens one attach per engine replica it has requests on and hands each
-output to its request's :class:`Inbox`.
+- **engine → Egress**: :class:`~stages.protocol.EngineOutput` items, merged per engine request
+  while they wait (:class:`Inbox` on the Egress side);
+- **Egress → Ingress**: :class:`~stages.protocol.RoutedFrame` items (a request's SSE frames and
+  its summary, in order; :class:`FrameInbox` on the Ingress side).
+
+What stays per request: each request keeps its own stream for *control*. It carries the
+acceptance (or the refusal: a full queue is still retried elsewhere), cancelling it cancels the
+request downstream (the engine aborts it), it fails when the producer replica dies, and the
+producer's consumer watch ends it when the consumer replica dies (:mod:`stages.liveness`). Only
+the data moves: after the acceptance item the producer puts the request's items in its consumer's
+mailbox (:class:`ChannelHub`), and the consumer's ``attach`` stream to that replica drains the
+mailbox, everything that accumulated in one :class:`~stages.protocol.ChannelBatch`. The
+consumer's :class:`ChannelClient` opens one attach per producer replica it has requests on and
+hands each item to its request's inbox.
 
 Lifetimes: a mailbox's attach ends once the consumer has had no live request on the replica for
 ``linger_s`` (an open stream would hold up the replica's drain on shutdown); the client attaches
-again when a request needs it. Outputs wait in the mailbox until an attach takes them, so the
-first tokens of a request that arrive before its attach is open are not lost.
+again when a request needs it. Items wait in the mailbox until an attach takes them, so the first
+tokens of a request that arrive before its attach is open are not lost.
 
 Both sides are plain asyncio (no Ray), so they are unit-tested directly.
 """
@@ -30,8 +36,9 @@ import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from stages.protocol import ChannelBatch, EngineOutput, TokenLogprob
+from stages.protocol import ChannelBatch, EngineOutput, RoutedFrame, StreamSummary, TokenLogprob
 
 logger = logging.getLogger("lifecycle.channel")
 
@@ -66,10 +73,10 @@ def merge_group(outs: list[EngineOutput]) -> list[EngineOutput]:
     return [group[0] if len(group) == 1 else merge_outputs(rid, group) for rid, group in by_id.items()]
 
 
-# -- engine side -----------------------------------------------------------------------------------
+# -- producer side (the engine, Egress) --------------------------------------------------------------
 @dataclass
 class _Mailbox:
-    pending: list[EngineOutput] = field(default_factory=list)
+    pending: list[Any] = field(default_factory=list)
     event: asyncio.Event = field(default_factory=asyncio.Event)
     #: Requests of this consumer open on the replica.
     live: int = 0
@@ -78,12 +85,20 @@ class _Mailbox:
 
 
 class ChannelHub:
-    """The engine replica's mailboxes, one per consumer (an Egress replica's actor name)."""
+    """A producer replica's mailboxes, one per consumer (the consumer replica's actor name).
 
-    def __init__(self, replica: str, linger_s: float = DEFAULT_LINGER_S) -> None:
+    ``merge`` folds what waited in a mailbox into one batch's items (the engine merges each
+    request's outputs into one; frames keep their order as they are)."""
+
+    def __init__(self, replica: str, linger_s: float = DEFAULT_LINGER_S,
+                 merge: Callable[[list[Any]], list[Any]] = list) -> None:
         self.replica = replica
         self.linger_s = linger_s
+        self.merge = merge
         self._boxes: dict[str, _Mailbox] = {}
+        #: Batches sent and the items they carried (their ratio is the multiplexing achieved).
+        self.batches_sent = 0
+        self.items_sent = 0
 
     def open(self, consumer: str) -> None:
         """A request of ``consumer`` starts sending its tokens through the channel."""
@@ -96,7 +111,7 @@ class ChannelHub:
             box.live -= 1
             box.event.set()  # an idle attach starts its linger
 
-    def push(self, consumer: str, outs: list[EngineOutput]) -> None:
+    def push(self, consumer: str, outs: list[Any]) -> None:
         box = self._boxes.get(consumer)
         if box is not None:  # dropped: the consumer is gone, nobody would read these
             box.pending.extend(outs)
@@ -110,14 +125,14 @@ class ChannelHub:
             box.event.set()
 
     def num_pending(self) -> int:
-        """Outputs waiting for an attach, over all consumers (tests, leak checks)."""
+        """Items waiting for an attach, over all consumers (tests, leak checks)."""
         return sum(len(b.pending) for b in self._boxes.values())
 
     def __len__(self) -> int:
         return len(self._boxes)
 
     async def attach(self, consumer: str) -> AsyncIterator[ChannelBatch]:
-        """The consumer's stream: a hello, then one batch whenever outputs are waiting; ends after
+        """The consumer's stream: a hello, then one batch whenever items are waiting; ends after
         ``linger_s`` with no live request and nothing pending, or when a newer attach replaces it."""
         box = self._boxes.setdefault(consumer, _Mailbox())
         box.attach_seq += 1
@@ -128,7 +143,10 @@ class ChannelHub:
                 box.event.clear()
                 if box.pending:
                     outs, box.pending = box.pending, []
-                    yield ChannelBatch(self.replica, merge_group(outs))
+                    batch = ChannelBatch(self.replica, self.merge(outs))
+                    self.batches_sent += 1
+                    self.items_sent += len(batch.items)
+                    yield batch
                     continue
                 if box.live > 0:
                     await box.event.wait()
@@ -144,12 +162,13 @@ class ChannelHub:
                 del self._boxes[consumer]
 
 
-# -- Egress side -----------------------------------------------------------------------------------
+# -- consumer side (Egress, Ingress) -----------------------------------------------------------------
 class Inbox:
-    """The outputs of one API request (all its choices) as its channel delivers them."""
+    """The engine outputs of one API request (all its choices) as its channel delivers them."""
 
     def __init__(self, choice_ids: list[str]) -> None:
-        self.choice_ids = choice_ids
+        #: The ids the channel's items are routed by (here: every choice's engine request id).
+        self.keys = choice_ids
         self.replica = ""
         self._pending: list[EngineOutput] = []
         self._event = asyncio.Event()
@@ -189,30 +208,84 @@ class Inbox:
         return merge_group(outs)
 
 
-#: Opens the consumer's attach stream to one engine replica.
+class FrameInbox:
+    """The frames of one API request from its Egress replica, in order, up to its summary; an
+    error Egress met after the start comes in its place, after the frames before it."""
+
+    def __init__(self, request_id: str) -> None:
+        self.keys = [request_id]
+        self.replica = ""
+        self._pending: list[RoutedFrame] = []
+        self._event = asyncio.Event()
+        self._error: BaseException | None = None
+
+    def push(self, item: RoutedFrame) -> None:
+        self._pending.append(item)
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._event.set()
+
+    async def __anext__(self) -> Any:
+        """The next frame or summary (what arrived before a failure comes first)."""
+        while not self._pending:
+            if self._error is not None:
+                raise self._error
+            await self._event.wait()
+            self._event.clear()
+        item = self._pending.pop(0)
+        if item.error is not None:
+            raise item.error
+        return item.item
+
+    @property
+    def done(self) -> bool:
+        """The summary has arrived (nothing more will)."""
+        return any(isinstance(f.item, StreamSummary) for f in self._pending)
+
+
+class _Inbox(Protocol):
+    keys: list[str]
+    replica: str
+
+    def push(self, item: Any) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+
+#: Opens the consumer's attach stream to one producer replica.
 Attach = Callable[[str], AsyncIterator[ChannelBatch]]
 #: The error an inbox fails with when its replica's channel is lost without an error of its own.
 LostError = Callable[[str], BaseException]
 
 
 class ChannelClient:
-    """Egress side: one attach per engine replica with open requests, outputs to their inboxes."""
+    """Consumer side: one attach per producer replica with open requests; each item goes to the
+    inbox registered for its ``request_id``."""
 
     def __init__(self, attach: Attach, lost_error: LostError) -> None:
         self.attach = attach
         self.lost_error = lost_error
-        self._inboxes: dict[str, Inbox] = {}
-        self._by_replica: dict[str, set[Inbox]] = {}
+        self._inboxes: dict[str, _Inbox] = {}
+        self._by_replica: dict[str, set[_Inbox]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def register(self, choice_ids: list[str]) -> Inbox:
-        """Before the request is sent: outputs for these ids are kept from now on."""
-        inbox = Inbox(choice_ids)
-        for rid in choice_ids:
-            self._inboxes[rid] = inbox
+        """Before the request is sent: engine outputs for these ids are kept from now on."""
+        return self.add(Inbox(choice_ids))
+
+    def register_frames(self, request_id: str) -> FrameInbox:
+        """Before the request is sent: its frames are kept from now on."""
+        return self.add(FrameInbox(request_id))
+
+    def add(self, inbox: Any) -> Any:
+        for key in inbox.keys:
+            self._inboxes[key] = inbox
         return inbox
 
-    def bind(self, inbox: Inbox, replica: str) -> None:
+    def bind(self, inbox: _Inbox, replica: str) -> None:
         """The request was accepted by ``replica``: make sure its channel is attached."""
         inbox.replica = replica
         self._by_replica.setdefault(replica, set()).add(inbox)
@@ -223,10 +296,10 @@ class ChannelClient:
             self._tasks[replica] = asyncio.get_running_loop().create_task(self._run(replica),
                                                                           context=contextvars.Context())
 
-    def unregister(self, inbox: Inbox) -> None:
-        for rid in inbox.choice_ids:
-            if self._inboxes.get(rid) is inbox:
-                del self._inboxes[rid]
+    def unregister(self, inbox: _Inbox) -> None:
+        for key in inbox.keys:
+            if self._inboxes.get(key) is inbox:
+                del self._inboxes[key]
         waiting = self._by_replica.get(inbox.replica)
         if waiting is not None:
             waiting.discard(inbox)
@@ -249,15 +322,15 @@ class ChannelClient:
                     if batch.replica != replica:  # the replica is gone and the call went elsewhere
                         self._fail(replica, self.lost_error(replica))
                         return
-                    for out in batch.outputs:
-                        inbox = self._inboxes.get(out.request_id)
+                    for item in batch.items:
+                        inbox = self._inboxes.get(item.request_id)
                         if inbox is not None:
-                            inbox.push(out)
-                    delivered += len(batch.outputs)
+                            inbox.push(item)
+                    delivered += len(batch.items)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the replica or the call failed: its requests fail
-                logger.warning("channel to engine %s failed: %r", replica, exc)
+                logger.warning("channel to replica %s failed: %r", replica, exc)
                 self._fail(replica, exc)
                 return
             # Ended normally (linger, or a newer attach): attach again while requests still wait.
@@ -265,3 +338,68 @@ class ChannelClient:
             if empty >= MAX_EMPTY_ATTACHES:
                 self._fail(replica, self.lost_error(replica))
                 return
+
+
+# -- a request's items on the consumer side: its own stream's start, then its inbox -------------------
+async def watch_control(gen: Any, inbox: Any) -> None:
+    """Follow a channel request's own stream after its first item: it carries nothing more in
+    the normal case (anything that comes is kept); its failure is the request's failure."""
+    try:
+        async for items in gen:
+            for item in items if isinstance(items, list) else [items]:
+                inbox.push(item)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - the call failed (its replica died): so does the request
+        inbox.fail(exc)
+
+
+def _watch(gen: Any, inbox: Any) -> asyncio.Task[None]:
+    return asyncio.get_running_loop().create_task(watch_control(gen, inbox))
+
+
+async def engine_items(gen: Any, inbox: Inbox, client: ChannelClient) -> AsyncIterator[list[EngineOutput]]:
+    """Egress's view of a channel request: the acceptance from its own engine stream, then its
+    outputs as the channel delivers them, one merged list per wake-up."""
+    first = await gen.__anext__()
+    inbox.note(first)
+    client.bind(inbox, first[0].replica or "")
+    watch = _watch(gen, inbox)
+    try:
+        yield first
+        while not inbox.done:
+            yield await inbox.get()
+        # The engine ends a request's stream only after its final output: nothing is lost.
+    finally:
+        watch.cancel()
+
+
+class FrameStream:
+    """Ingress's view of a channel request after its :class:`~stages.protocol.StreamStart`: the
+    frames and the summary from the channel, with ``cancel()`` cancelling the request's own
+    stream (which cancels it in Egress and aborts it in the engine), as a plain stream would."""
+
+    def __init__(self, gen: Any, inbox: FrameInbox, client: ChannelClient, replica: str) -> None:
+        self._gen = gen
+        self._inbox = inbox
+        self._client = client
+        client.bind(inbox, replica)
+        self._watch = _watch(gen, inbox)
+
+    def __aiter__(self) -> FrameStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            item = await self._inbox.__anext__()
+        except BaseException:
+            self._client.unregister(self._inbox)
+            raise
+        if isinstance(item, StreamSummary):
+            # The request's own stream ends by itself now (the watch sees it end).
+            self._client.unregister(self._inbox)
+        return item
+
+    def cancel(self) -> None:
+        self._gen.cancel()  # the watch ends with it
+        self._client.unregister(self._inbox)
