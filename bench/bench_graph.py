@@ -144,9 +144,11 @@ def main() -> None:
                    help="torch threads in the engine, both sides (1: the graph's other stages need the other core)")
     p.add_argument("--direct", action="store_true",
                    help="also run the graph through the Ingress replica's direct-ingress port (no Serve proxy)")
+    p.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="also run an app that differs in this one setting, e.g. engine.step_thread_nice=null "
+                        "(repeatable; one more app each)")
     p.add_argument("--per-request", action="store_true",
-                   help="also run a second app whose engine streams one item per request per step "
-                        "(engine.stream_channel: false) instead of one shared channel per Egress replica")
+                   help="same as --variant engine.stream_channel=false: one stream item per request per step")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/graph.json")
     a = p.parse_args()
@@ -167,11 +169,20 @@ def main() -> None:
                 raise SystemExit("no direct-ingress port answered (RAY_SERVE_THROUGHPUT_OPTIMIZED=1 turns it on)")
             urls["graph_direct"] = direct
         if a.per_request:
+            a.variant.append("engine.stream_channel=false")
+        for i, override in enumerate(a.variant):
+            # A second app like the first but for one setting (``engine.x=value``, value as YAML),
+            # measured in the same rounds: the A/B of that setting through the whole graph.
+            import yaml
+
             from tests.serve_harness import deploy_app
 
-            urls["graph_per_request"] = deploy_app(
-                {"engine": {**settings.model_dump(), "stream_channel": False}, "http": {"keepalive_interval_s": 5.0}},
-                name="per_request", route_prefix="/per-request")
+            key, _, value = override.partition("=")
+            section, _, leaf = key.partition(".")
+            variant_args = {"engine": settings.model_dump(), "http": {"keepalive_interval_s": 5.0}}
+            variant_args.setdefault(section, {})[leaf] = yaml.safe_load(value)
+            name = f"variant{i}"
+            urls[f"graph[{override}]"] = deploy_app(variant_args, name=name, route_prefix=f"/{name}")
         runs = asyncio.run(run_rounds(settings, tok, urls, a))
     finally:
         app.close()

@@ -34,7 +34,8 @@ def valid_api_key(key: str) -> bool:
 
 
 #: Engine settings the Ray replica uses itself; the engine core never sees them.
-_REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s", "fault_injection", "stream_channel"}
+_REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s", "fault_injection", "stream_channel",
+                 "step_thread_nice"}
 
 
 class EngineSettings(_Strict):
@@ -67,6 +68,10 @@ class EngineSettings(_Strict):
     #: Tokens of all requests from one Egress replica to one engine replica share one stream, one
     #: item per engine step (:mod:`stages.channel`); false: one stream item per request per step.
     stream_channel: bool = True
+    #: Nice value of the engine's step thread (Ray starts workers at nice 15; the CPU stages keep
+    #: that): normal priority where the engine leaves a core free (:mod:`stages.engine.priority`).
+    #: ``None``: leave it.
+    step_thread_nice: int | None = Field(0, ge=-20, le=19)
     #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.faults`). Off.
     fault_injection: bool = False
 

@@ -38,6 +38,7 @@ from stages.engine.errors import (
     RequestRejectedError,
 )
 from stages.engine.faults import StepFaults
+from stages.engine.priority import raise_thread_priority
 from stages.protocol import EngineOutput, EngineRequest
 
 logger = logging.getLogger(__name__)
@@ -121,8 +122,11 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: LLMEngine, *, max_waiting: int = 256, step_hook: StepHook | None = None,
-                 replica: str = "", stall_timeout_s: float = 60.0, faults: StepFaults | None = None) -> None:
+                 replica: str = "", stall_timeout_s: float = 60.0, faults: StepFaults | None = None,
+                 thread_nice: int | None = None) -> None:
         self.engine = engine
+        #: Nice value for the step thread (:mod:`stages.engine.priority`); ``None`` leaves it.
+        self.thread_nice = thread_nice
         #: Test-only fault hook (:mod:`stages.engine.faults`); off unless enabled.
         self.faults = faults or StepFaults()
         self.max_waiting = max_waiting
@@ -337,6 +341,9 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        if self.thread_nice is not None:
+            logger.info("engine %s: %s", self.replica or "step loop",
+                        raise_thread_priority(self.thread_nice, engine.config.num_threads))
         try:
             while not self._stop:
                 self._drain_inbox()

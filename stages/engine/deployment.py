@@ -70,7 +70,8 @@ class EngineDeployment:
         self.engine.on_finish = self.tracer.on_finish
         self.async_engine = AsyncEngine(self.engine, max_waiting=self.settings.max_waiting_requests,
                                         replica=self.replica, stall_timeout_s=self.settings.stall_timeout_s,
-                                        faults=StepFaults(self.settings.fault_injection))
+                                        faults=StepFaults(self.settings.fault_injection),
+                                        thread_nice=self.settings.step_thread_nice)
         # Requests whose Egress replica died are aborted (no zombie decoding: stages.liveness).
         self.consumers = ConsumerWatch(self._consumer_gone)
         #: Each Egress replica's mailbox: the tokens of its channel requests (stages.channel).
