@@ -84,11 +84,11 @@ def test_rejects_what_it_cannot_read():
 def test_without_a_compiler_the_kernel_is_absent_and_the_engine_uses_sdpa(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LIFECYCLE_KERNEL_CACHE", str(tmp_path / "cache"))
-    kernels._load.cache_clear()
+    kernels._load_kernel.cache_clear()
     try:
         assert kernels.paged_attention() is None
     finally:
-        kernels._load.cache_clear()
+        kernels._load_kernel.cache_clear()
     monkeypatch.delenv("CXX")
     monkeypatch.delenv("LIFECYCLE_KERNEL_CACHE")
     assert (kernels.paged_attention() is None) == (kernel is None)

@@ -109,13 +109,13 @@ def test_runner_falls_back_to_torch_kernels_without_a_compiler(monkeypatch, tmp_
 
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("LIFECYCLE_KERNEL_CACHE", str(tmp_path / "cache"))
-    kernels._load_quant.cache_clear()
+    kernels._load_kernel.cache_clear()
     try:
         assert ModelRunner._block_kernel("auto") is None
         with pytest.raises(RuntimeError):
             ModelRunner._block_kernel("native")
     finally:
-        kernels._load_quant.cache_clear()
+        kernels._load_kernel.cache_clear()
     assert ModelRunner._block_kernel("torch") is None
 
 

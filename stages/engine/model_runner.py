@@ -178,8 +178,7 @@ class ModelRunner:
             # The kernel walks each sequence's block table itself: no slot lists, no mask.
             nb = max(-(-(s.start + 1) // self.block_size) for s in decodes)
             meta.num_decodes = len(decodes)
-            meta.decode_tables = torch.tensor([s.request.block_table[:nb] + [0] * (nb - len(s.request.block_table[:nb]))
-                                               for s in decodes], dtype=torch.int32)
+            meta.decode_tables = torch.tensor(_padded_tables(decodes, nb), dtype=torch.int32)
             meta.decode_ctx_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.int32)
             meta.paged_kernel = self.paged_kernel
             meta.block_size = self.block_size
@@ -189,8 +188,7 @@ class ModelRunner:
             ctx_lens = torch.tensor([s.start + 1 for s in decodes])
             width = int(ctx_lens.max())
             nb = -(-width // self.block_size)
-            tables = torch.tensor([s.request.block_table[:nb] + [0] * (nb - len(s.request.block_table[:nb]))
-                                   for s in decodes], dtype=torch.long)
+            tables = torch.tensor(_padded_tables(decodes, nb), dtype=torch.long)
             meta.num_decodes = len(decodes)
             meta.decode_slots = self._context_slots(tables, width).to(dev)
             table = decodes[0].request.block_table[:nb]
@@ -246,3 +244,9 @@ class ModelRunner:
         if self._masks is None:
             self._masks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
         return self._masks
+
+
+def _padded_tables(decodes: list[Any], nb: int) -> list[list[int]]:
+    """The first ``nb`` block ids of each decode's table, padded with block 0 (never read: each
+    sequence's context length bounds what is looked at)."""
+    return [(table := s.request.block_table[:nb]) + [0] * (nb - len(table)) for s in decodes]

@@ -270,7 +270,7 @@ class QuantLinear(nn.Module):
 
     def weight_bytes(self, rows: int = 1) -> int:
         """Bytes of weights a forward over ``rows`` rows reads."""
-        if rows >= self.dense_min_rows and self.dense is not None:  # noqa: SIM102
+        if rows >= self.dense_min_rows and self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
         extra = self.mins.numel() * 2 if getattr(self, "mins", None) is not None else 0
         return self.qweight.numel() * self.qweight.element_size() + self.scales.numel() * 2 + extra

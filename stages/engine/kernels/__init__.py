@@ -173,30 +173,24 @@ def _open(src: Path) -> ctypes.CDLL:
 
 
 @cache
-def _load() -> PagedDecodeAttention | None:
+def _load_kernel(src: Path, wrapper: Any, fallback: str) -> Any:
+    """``wrapper`` around the library built from ``src``, or ``None`` (logged, with what is used
+    instead) where it cannot be built or loaded here. Built once per process."""
     with _lock:
         try:
-            return PagedDecodeAttention(_open(_SRC))
+            return wrapper(_open(src))
         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            logger.warning("paged decode attention kernel unavailable, using gather + SDPA: %s", exc)
-            return None
-
-
-@cache
-def _load_quant() -> QuantMatmul | None:
-    with _lock:
-        try:
-            return QuantMatmul(_open(_QUANT_SRC))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            logger.warning("block-quantised matmul kernel unavailable, using torch's int4/int8 kernels: %s", exc)
+            logger.warning("%s kernel unavailable, using %s: %s", src.stem, fallback, exc)
             return None
 
 
 def paged_attention() -> PagedDecodeAttention | None:
     """The built kernel, or ``None`` where it cannot be built here (then use the SDPA path)."""
-    return _load()
+    result: PagedDecodeAttention | None = _load_kernel(_SRC, PagedDecodeAttention, "gather + SDPA")
+    return result
 
 
 def quant_matmul() -> QuantMatmul | None:
     """The built block-quantised matmul, or ``None`` where it cannot be built here."""
-    return _load_quant()
+    result: QuantMatmul | None = _load_kernel(_QUANT_SRC, QuantMatmul, "torch's int4/int8 kernels")
+    return result
