@@ -44,6 +44,9 @@ logger = logging.getLogger("lifecycle.channel")
 
 #: Seconds a consumer's attach stays open with no live request on the replica.
 DEFAULT_LINGER_S = 1.0
+#: Items at most in one batch (the rest go in the next): a consumer that fell far behind must not
+#: get a batch past the message size limit between deployments.
+MAX_BATCH_ITEMS = 256
 #: Attaches in a row that end with no output while requests still wait on them: the replica has
 #: lost those requests (a killed replica's streams can end cleanly), so they fail.
 MAX_EMPTY_ATTACHES = 3
@@ -142,8 +145,9 @@ class ChannelHub:
             while box.attach_seq == seq:
                 box.event.clear()
                 if box.pending:
-                    outs, box.pending = box.pending, []
-                    batch = ChannelBatch(self.replica, self.merge(outs))
+                    outs = self.merge(box.pending)
+                    box.pending = outs[MAX_BATCH_ITEMS:]
+                    batch = ChannelBatch(self.replica, outs[:MAX_BATCH_ITEMS])
                     self.batches_sent += 1
                     self.items_sent += len(batch.items)
                     yield batch

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from stages.channel import ChannelClient, ChannelHub, FrameStream, Inbox, merge_group
+from stages.channel import MAX_BATCH_ITEMS, ChannelClient, ChannelHub, FrameStream, Inbox, merge_group
 from stages.protocol import ChannelBatch, EngineOutput, RoutedFrame, StreamFrame, StreamSummary
 
 
@@ -311,3 +311,15 @@ async def test_cancel_cancels_the_requests_own_stream_and_a_failed_one_fails_the
                          client.register_frames("r2"), client, "egress-A")
     with pytest.raises(ConnectionError):
         await asyncio.wait_for(anext(broken), 2)
+
+
+@run_async
+async def test_a_consumer_far_behind_gets_its_backlog_in_bounded_batches_in_order():
+    hub = ChannelHub("egress-A")
+    hub.open("c")
+    hub.push("c", [frame("r1", str(i)) for i in range(MAX_BATCH_ITEMS + 44)])
+    stream = hub.attach("c")
+    await anext(stream)  # hello
+    first, second = await anext(stream), await anext(stream)
+    assert [len(first.items), len(second.items)] == [MAX_BATCH_ITEMS, 44]
+    assert [f.item.data for f in first.items + second.items] == [str(i) for i in range(MAX_BATCH_ITEMS + 44)]

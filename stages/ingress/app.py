@@ -241,8 +241,10 @@ class Ingress:
                                 response_id=live.response_id, created=int(time.time()), n=req.n,
                                 stream=req.stream, include_usage=req.include_usage,
                                 echo=getattr(req, "echo", False), consumer=self.actor_name,
-                                tool_parsing=tool_parsing(req), channel=self.frames is not None)
-            if self.frames is not None:
+                                tool_parsing=tool_parsing(req), channel=self.frames is not None and req.stream)
+            if job.channel and self.frames is not None:
+                # Streamed frames share the channel; a whole body (not streamed) stays on the
+                # request's own stream: one channel item must stay far below the message limit.
                 inbox = self.frames.register_frames(engine_request.request_id)
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
