@@ -342,8 +342,10 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         if self.thread_nice is not None:
-            logger.info("engine %s: %s", self.replica or "step loop",
-                        raise_thread_priority(self.thread_nice, engine.config.num_threads))
+            # On the replica's log ("lifecycle.*" is what a replica writes at INFO).
+            logging.getLogger("lifecycle.engine").info(
+                "engine %s: %s", self.replica or "step loop",
+                raise_thread_priority(self.thread_nice, engine.config.num_threads))
         try:
             while not self._stop:
                 self._drain_inbox()
