@@ -112,6 +112,11 @@ def test_queue_bound_and_invalid_requests_raise_engine_errors():
                 pass
         first = eng.generate(EngineRequest("r1", [1, 2], params(max_tokens=50)))
         await first.__anext__()
+        # Accepted is not yet scheduled: r1 leaves the waiting queue at the next step. Until then a
+        # second request would find the queue full (this raced under load).
+        deadline = time.monotonic() + 5
+        while eng.stats().num_running < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
         second = eng.generate(EngineRequest("r2", [1, 2], params(max_tokens=50)))
         await second.__anext__()  # accepted, waiting
         await asyncio.sleep(0.1)
