@@ -36,7 +36,7 @@ import contextvars
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, TypeVar
 
 from stages.protocol import ChannelBatch, EngineOutput, RoutedFrame, StreamSummary, TokenLogprob
 
@@ -167,16 +167,40 @@ class ChannelHub:
 
 
 # -- consumer side (Egress, Ingress) -----------------------------------------------------------------
-class Inbox:
-    """The engine outputs of one API request (all its choices) as its channel delivers them."""
+class _Slot:
+    """What a channel delivers to one API request: its items in arrival order, or a failure."""
 
-    def __init__(self, choice_ids: list[str]) -> None:
-        #: The ids the channel's items are routed by (here: every choice's engine request id).
-        self.keys = choice_ids
+    def __init__(self, keys: list[str]) -> None:
+        #: The ids the channel's items are routed by.
+        self.keys = keys
         self.replica = ""
-        self._pending: list[EngineOutput] = []
+        self._pending: list[Any] = []
         self._event = asyncio.Event()
         self._error: BaseException | None = None
+
+    def push(self, item: Any) -> None:
+        self._pending.append(item)
+        self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._event.set()
+
+    async def _wait(self) -> None:
+        """Until something is pending; the failure is raised only once what came before it is taken."""
+        while not self._pending:
+            if self._error is not None:
+                raise self._error
+            await self._event.wait()
+            self._event.clear()
+
+
+class Inbox(_Slot):
+    """The engine outputs of one API request (all its choices, by their engine request ids)."""
+
+    def __init__(self, choice_ids: list[str]) -> None:
+        super().__init__(choice_ids)
         self._open = set(choice_ids)
 
     @property
@@ -190,74 +214,31 @@ class Inbox:
             if out.finish_reason is not None:
                 self._open.discard(out.request_id)
 
-    def push(self, out: EngineOutput) -> None:
-        self._pending.append(out)
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
-        self._event.set()
-
     async def get(self) -> list[EngineOutput]:
-        """Everything delivered since the last call, one merged output per choice (waits for
-        something; raises the failure, if any, once what arrived before it is taken)."""
-        while not self._pending:
-            if self._error is not None:
-                raise self._error
-            await self._event.wait()
-            self._event.clear()
+        """Everything delivered since the last call, one merged output per choice."""
+        await self._wait()
         outs, self._pending = self._pending, []
         self.note(outs)
         return merge_group(outs)
 
 
-class FrameInbox:
+class FrameInbox(_Slot):
     """The frames of one API request from its Egress replica, in order, up to its summary; an
     error Egress met after the start comes in its place, after the frames before it."""
 
     def __init__(self, request_id: str) -> None:
-        self.keys = [request_id]
-        self.replica = ""
-        self._pending: list[RoutedFrame] = []
-        self._event = asyncio.Event()
-        self._error: BaseException | None = None
-
-    def push(self, item: RoutedFrame) -> None:
-        self._pending.append(item)
-        self._event.set()
-
-    def fail(self, error: BaseException) -> None:
-        if self._error is None:
-            self._error = error
-        self._event.set()
+        super().__init__([request_id])
 
     async def __anext__(self) -> Any:
-        """The next frame or summary (what arrived before a failure comes first)."""
-        while not self._pending:
-            if self._error is not None:
-                raise self._error
-            await self._event.wait()
-            self._event.clear()
-        item = self._pending.pop(0)
+        """The next frame or summary."""
+        await self._wait()
+        item: RoutedFrame = self._pending.pop(0)
         if item.error is not None:
             raise item.error
         return item.item
 
-    @property
-    def done(self) -> bool:
-        """The summary has arrived (nothing more will)."""
-        return any(isinstance(f.item, StreamSummary) for f in self._pending)
 
-
-class _Inbox(Protocol):
-    keys: list[str]
-    replica: str
-
-    def push(self, item: Any) -> None: ...
-
-    def fail(self, error: BaseException) -> None: ...
-
+_S = TypeVar("_S", bound=_Slot)
 
 #: Opens the consumer's attach stream to one producer replica.
 Attach = Callable[[str], AsyncIterator[ChannelBatch]]
@@ -272,8 +253,8 @@ class ChannelClient:
     def __init__(self, attach: Attach, lost_error: LostError) -> None:
         self.attach = attach
         self.lost_error = lost_error
-        self._inboxes: dict[str, _Inbox] = {}
-        self._by_replica: dict[str, set[_Inbox]] = {}
+        self._inboxes: dict[str, _Slot] = {}
+        self._by_replica: dict[str, set[_Slot]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def register(self, choice_ids: list[str]) -> Inbox:
@@ -284,12 +265,12 @@ class ChannelClient:
         """Before the request is sent: its frames are kept from now on."""
         return self.add(FrameInbox(request_id))
 
-    def add(self, inbox: Any) -> Any:
+    def add(self, inbox: _S) -> _S:
         for key in inbox.keys:
             self._inboxes[key] = inbox
         return inbox
 
-    def bind(self, inbox: _Inbox, replica: str) -> None:
+    def bind(self, inbox: _Slot, replica: str) -> None:
         """The request was accepted by ``replica``: make sure its channel is attached."""
         inbox.replica = replica
         self._by_replica.setdefault(replica, set()).add(inbox)
@@ -300,7 +281,7 @@ class ChannelClient:
             self._tasks[replica] = asyncio.get_running_loop().create_task(self._run(replica),
                                                                           context=contextvars.Context())
 
-    def unregister(self, inbox: _Inbox) -> None:
+    def unregister(self, inbox: _Slot) -> None:
         for key in inbox.keys:
             if self._inboxes.get(key) is inbox:
                 del self._inboxes[key]
