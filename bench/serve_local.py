@@ -12,6 +12,7 @@ To serve the last commit while the working tree is being edited, run it from an 
 from __future__ import annotations
 
 import argparse
+import copy
 import signal
 import sys
 import threading
@@ -29,6 +30,9 @@ def main() -> None:
     p.add_argument("--url-file", default="")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one app arg, e.g. --set engine.report_interval_s=0.1 (value parsed as YAML)")
+    p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                   help="also serve a second app under /variant that differs in these args (an A/B in one "
+                        "Ray: e.g. `python -m bench compare --url URL --peer-url URL/variant`)")
     a = p.parse_args()
     import os
 
@@ -37,16 +41,16 @@ def main() -> None:
     from tests.serve_harness import start_app, stop_app
 
     cfg = yaml.safe_load(Path(a.config).read_text())
-    args = cfg["applications"][0]["args"]
-    for item in a.set:
-        key, _, value = item.partition("=")
-        *parents, leaf = key.split(".")
-        node = args
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = yaml.safe_load(value)
+    args = _override(cfg["applications"][0]["args"], a.set)
     print("args:", args, flush=True)
     url, _ = start_app(args)
+    if a.variant:
+        from tests.serve_harness import deploy_app
+
+        variant = _override(copy.deepcopy(args), a.variant)
+        print("variant args:", variant, flush=True)
+        deploy_app(variant, name="variant", route_prefix="/variant")
+        print(f"{url}/variant", flush=True)
     print(url, flush=True)
     if a.url_file:
         Path(a.url_file).write_text(url + "\n")
@@ -56,6 +60,18 @@ def main() -> None:
     while not done.wait(0.5):
         pass
     stop_app()
+
+
+def _override(args: dict, items: list[str]) -> dict:
+    """``args`` with each ``a.b.c=value`` (value parsed as YAML) set."""
+    for item in items:
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = args
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = yaml.safe_load(value)
+    return args
 
 
 if __name__ == "__main__":
