@@ -1,5 +1,6 @@
-"""Serve the app with ``serve_config.yaml``'s args on a free loopback port (not 8000) until interrupted,
-for running ``python -m bench`` against it. Prints the URL (and writes it to ``--url-file``).
+"""Serve the app as ``serve_config.yaml`` describes it (its args and its per-deployment options:
+autoscaling, CPU shares) on a free loopback port (not 8000) until interrupted, for running
+``python -m bench`` against it. Prints the URL (and writes it to ``--url-file``).
 
     .venv/bin/python bench/serve_local.py --url-file /tmp/bench_url &
     .venv/bin/python -m bench client --url "$(cat /tmp/bench_url)"
@@ -33,6 +34,8 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
                    help="also serve a second app under /variant that differs in these args (an A/B in one "
                         "Ray: e.g. `python -m bench compare --url URL --peer-url URL/variant`)")
+    p.add_argument("--args-only", action="store_true",
+                   help="ignore the config's `deployments` options: one replica of each stage, code defaults")
     a = p.parse_args()
     import os
 
@@ -41,15 +44,19 @@ def main() -> None:
     from tests.serve_harness import start_app, stop_app
 
     cfg = yaml.safe_load(Path(a.config).read_text())
-    args = _override(cfg["applications"][0]["args"], a.set)
+    app = cfg["applications"][0]
+    args = _override(app["args"], a.set)
     print("args:", args, flush=True)
-    url, _ = start_app(args)
+    # The config's per-deployment options too (autoscaling, CPU shares), as `serve run` applies them.
+    options = {} if a.args_only else {d["name"]: {k: v for k, v in d.items() if k != "name"}
+                                      for d in app.get("deployments", [])}
+    url, _ = start_app(args, options=options)
     if a.variant:
         from tests.serve_harness import deploy_app
 
         variant = _override(copy.deepcopy(args), a.variant)
         print("variant args:", variant, flush=True)
-        deploy_app(variant, name="variant", route_prefix="/variant")
+        deploy_app(variant, name="variant", route_prefix="/variant", options=options)
         print(f"{url}/variant", flush=True)
     print(url, flush=True)
     if a.url_file:

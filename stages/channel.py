@@ -102,6 +102,9 @@ class ChannelHub:
         #: Batches sent and the items they carried (their ratio is the multiplexing achieved).
         self.batches_sent = 0
         self.items_sent = 0
+        #: Attach calls open now: Serve counts each as an ongoing request of this replica, which
+        #: its autoscaling must not take for load (:func:`stages.autoscaling.stage_policy`).
+        self.attaches = 0
 
     def open(self, consumer: str) -> None:
         """A request of ``consumer`` starts sending its tokens through the channel."""
@@ -140,8 +143,9 @@ class ChannelHub:
         box = self._boxes.setdefault(consumer, _Mailbox())
         box.attach_seq += 1
         seq = box.attach_seq
-        yield ChannelBatch(self.replica, [])
+        self.attaches += 1
         try:
+            yield ChannelBatch(self.replica, [])
             while box.attach_seq == seq:
                 box.event.clear()
                 if box.pending:
@@ -161,6 +165,7 @@ class ChannelHub:
                     if box.live <= 0 and not box.pending:
                         return
         finally:
+            self.attaches -= 1
             if (box.attach_seq == seq and box.live <= 0 and not box.pending
                     and self._boxes.get(consumer) is box):
                 del self._boxes[consumer]

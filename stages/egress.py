@@ -318,6 +318,13 @@ class EgressDeployment:
         """Liveness for the app's ``/health``."""
         return True
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What :func:`stages.autoscaling.stage_policy` subtracts from Serve's count of ongoing
+        requests: the channel attaches open here (one per Ingress replica), which are not load."""
+        from stages.autoscaling import ATTACHES
+
+        return {ATTACHES: float(self.frames.attaches)}
+
     async def attach(self, request: ChannelAttach) -> AsyncIterator[ChannelBatch]:
         """The channel of the Ingress replica ``request.consumer`` (routed here by name): the
         frames of all its channel requests, one item per wake-up; ends a moment after the last."""

@@ -69,10 +69,12 @@ def deploy_app(args: dict[str, Any], name: str = "lifecycle", route_prefix: str 
         time.sleep(1)
 
 
-def start_app(args: dict[str, Any], num_cpus: int = 8, timeout_s: float = 300) -> tuple[str, str]:
-    """Start Ray and the default app built from ``args``. Returns (url, session dir)."""
+def start_app(args: dict[str, Any], num_cpus: int = 8, timeout_s: float = 300,
+              options: dict[str, dict[str, Any]] | None = None) -> tuple[str, str]:
+    """Start Ray and the default app built from ``args`` (``options`` as in :func:`deploy_app`).
+    Returns (url, session dir)."""
     _, session_dir = start_ray(num_cpus)
-    return deploy_app(args, timeout_s=timeout_s), session_dir
+    return deploy_app(args, timeout_s=timeout_s, options=options), session_dir
 
 
 def stop_app() -> None:

@@ -7,7 +7,15 @@ from types import SimpleNamespace
 from ray.serve.autoscaling_policy import _apply_autoscaling_config
 from ray.serve.config import AutoscalingConfig
 
-from stages.autoscaling import EnginePolicy, EngineSignals, desired_replicas, engine_policy, signals_from
+from stages.autoscaling import (
+    ATTACHES,
+    EnginePolicy,
+    EngineSignals,
+    desired_replicas,
+    engine_policy,
+    signals_from,
+    stage_policy,
+)
 
 P = EnginePolicy(waiting_target=4, kv_target=0.8, ttft_target_s=2.0, scale_down_below=0.4, cold_start_s=30)
 
@@ -68,3 +76,34 @@ def test_serve_adapter_reads_policy_kwargs_and_serve_applies_its_delays():
     wrapped = _apply_autoscaling_config(engine_policy)
     final, _ = wrapped(_ctx(1, 1, busy, config))
     assert final == 1
+
+
+def _stage_ctx(current: int, ongoing: float, attaches: dict[str, float], config: AutoscalingConfig) -> SimpleNamespace:
+    # The look-back mean of the attaches still rising from idle: the policy reads the latest value.
+    series = {r: [SimpleNamespace(timestamp=990.0, value=0.0), SimpleNamespace(timestamp=999.0, value=v)]
+              for r, v in attaches.items()}
+    ctx = _ctx(current, current, {ATTACHES: {r: v / 4 for r, v in attaches.items()}}, config)
+    ctx.raw_metrics = {ATTACHES: series}
+    ctx.total_num_requests = ongoing
+    return ctx
+
+
+def test_stage_policy_does_not_count_channel_attaches_as_load():
+    from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy as serve_default
+
+    config = AutoscalingConfig(min_replicas=1, max_replicas=4, target_ongoing_requests=32, upscale_delay_s=0,
+                               downscale_delay_s=0,
+                               policy={"policy_function": "stages.autoscaling:stage_policy"})
+    # 32 live streams on one Egress replica, plus the attach of the one Ingress replica: Serve's
+    # own policy counts 33 ongoing requests and asks for two replicas; the streams fit one.
+    at_target = _stage_ctx(1, 33.0, {"egress-1": 1.0}, config)
+    assert _apply_autoscaling_config(serve_default)(at_target)[0] == 2
+    assert stage_policy(at_target)[0] == 1.0
+    assert _apply_autoscaling_config(stage_policy)(at_target)[0] == 1
+    # Real load still scales it: 96 streams and two Ingress replicas' attaches on each of 2 replicas.
+    busy = _stage_ctx(2, 100.0, {"egress-1": 2.0, "egress-2": 2.0}, config)
+    assert _apply_autoscaling_config(stage_policy)(busy)[0] == 3
+    # Idle but attached (an attach lingers 1 s after the last request): down to the minimum.
+    idle = _stage_ctx(2, 2.0, {"egress-1": 1.0, "egress-2": 1.0}, config)
+    assert stage_policy(idle)[0] == 0.0
+    assert _apply_autoscaling_config(stage_policy)(idle)[0] == 1

@@ -115,6 +115,21 @@ async def test_attach_stays_open_while_a_request_is_live_and_ends_after_the_ling
 
 
 @run_async
+async def test_open_attaches_are_counted_until_they_end_or_are_cancelled():
+    # Egress's autoscaling subtracts these from Serve's count of ongoing requests.
+    hub = ChannelHub("egress-A", linger_s=0.05)
+    ending, cancelled = hub.attach("c1"), hub.attach("c2")
+    await anext(ending)
+    await anext(cancelled)
+    assert hub.attaches == 2
+    with pytest.raises(StopAsyncIteration):  # no live request: ends after the linger
+        await asyncio.wait_for(anext(ending), 1)
+    assert hub.attaches == 1
+    await cancelled.aclose()  # what Serve does when the consumer's call is cancelled
+    assert hub.attaches == 0 and len(hub) == 0
+
+
+@run_async
 async def test_a_new_request_during_the_linger_keeps_the_channel():
     hub = ChannelHub("engine-A", merge=merge_group, linger_s=0.2)
     hub.open("c")

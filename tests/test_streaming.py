@@ -444,8 +444,15 @@ def test_concurrent_streams_share_one_engine_channel_and_each_gets_its_own_token
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
+    # Egress's autoscaling subtracts its open channel attaches (Serve counts them as requests):
+    # while the streams run, the one Ingress replica's attach is open on it, and only that one.
+    attached = set()
+    while any(t.is_alive() for t in threads):
+        attached.add(serve_app.call("Egress", "record_autoscaling_stats")["channel_attaches"])
+        time.sleep(0.05)
     for t in threads:
         t.join(timeout=120)
+    assert 1.0 in attached and max(attached) == 1.0, attached
     during = serve_app.engine_stats()
     batches = during["channel_batches"] - before["channel_batches"]
     items = during["channel_items"] - before["channel_items"]
@@ -461,3 +468,6 @@ def test_concurrent_streams_share_one_engine_channel_and_each_gets_its_own_token
     while (stats := serve_app.engine_stats())["channel_mailboxes"] and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stats["channel_mailboxes"] == 0 and stats["channel_pending"] == 0, stats
+    while serve_app.call("Egress", "record_autoscaling_stats")["channel_attaches"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert serve_app.call("Egress", "record_autoscaling_stats")["channel_attaches"] == 0.0, "an attach outlived its linger"
