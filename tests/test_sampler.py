@@ -143,6 +143,15 @@ def test_top_k_top_p_min_p_restrict_support_per_row() -> None:
     assert len(counts[4]) > 30  # the unfiltered row ranges far wider
 
 
+def test_top_k_beyond_the_vocabulary_keeps_every_token_even_past_int64() -> None:
+    # Found by the fuzz test: top_k 5.7e28 with a top_p below 1 raised "Overflow when unpacking long
+    # long" in the step loop, which killed the engine for every request.
+    logits = [randn(64, seed=40, scale=2.0)]
+    huge = draw_many(logits, [{"top_k": 56601025981351854763637997568, "top_p": 0.6}], n=2000)
+    alone = draw_many(logits, [{"top_p": 0.6}], n=2000)
+    assert set(huge[0]) == set(alone[0]) == nucleus(logits[0].softmax(0), 0.6)
+
+
 # -- 4. penalties -------------------------------------------------------------------------------
 def test_apply_penalties_numerically() -> None:
     base = torch.tensor([2.0, -1.0, 0.5, -0.5, 3.0, 1.0])

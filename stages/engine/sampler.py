@@ -197,7 +197,9 @@ class Sampler:
         filtered = [i for i, r in enumerate(rows) if 0 < r.params.top_k < vocab or r.params.top_p < 1.0]
         if filtered:
             idx = torch.tensor(filtered, device=device)
-            top_k = torch.tensor([rows[i].params.top_k if rows[i].params.top_k > 0 else vocab
+            # A top_k beyond the vocabulary keeps it all (and one beyond int64 must not reach a
+            # tensor: it would raise in the step loop, failing every request of the engine).
+            top_k = torch.tensor([min(rows[i].params.top_k, vocab) if rows[i].params.top_k > 0 else vocab
                                   for i in filtered], dtype=torch.long, device=device)
             top_p = torch.tensor([rows[i].params.top_p for i in filtered], device=device)
             x[idx] = apply_top_k_top_p(x[idx], top_k, top_p)
