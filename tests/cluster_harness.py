@@ -27,8 +27,12 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 #: Loopback only, no auth token to hand around, no usage stats; direct ingress drains for 1 s.
+#: Serve's proxy actor is the edge here, not HAProxy: every node of this cluster shares one
+#: loopback, and HAProxy mode gives each node's HAProxy the same HTTP, stats and exporter ports
+#: (pods, as in k8s/, each have their own).
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.2",
+       "RAY_SERVE_ENABLE_HA_PROXY": "0",
        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
 

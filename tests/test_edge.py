@@ -1,0 +1,129 @@
+"""The HTTP edge: Serve's HAProxy ingress in front of the Ingress replicas' own HTTP servers.
+
+``make serve`` and the test harness run HAProxy (``RAY_SERVE_ENABLE_HA_PROXY=1``) on the app's
+port, through ``bin/haproxy-loopback``, which keeps every HAProxy listener on loopback. These tests
+check what a user relies on: the port they call is HAProxy's, nothing it opens listens beyond
+127.0.0.1, a stream and a disconnect pass through it, and the wrapper's rewrite itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import MODEL_NAME, ServeApp
+
+ROOT = Path(__file__).resolve().parent.parent
+WRAPPER = ROOT / "bin" / "haproxy-loopback"
+
+
+def _listeners(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket ``pid`` listens on."""
+    return [(c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def _listening_pid(port: int) -> int:
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid:
+            return conn.pid
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+@pytest.fixture(scope="module")
+def edge_pid(serve_app: ServeApp) -> int:
+    if os.environ.get("LIFECYCLE_EDGE", "haproxy") != "haproxy":
+        pytest.skip("LIFECYCLE_EDGE=proxy: Serve's proxy actor is the edge")
+    port = urlsplit(serve_app.url).port
+    assert port is not None
+    return _listening_pid(port)
+
+
+def test_the_app_port_is_haproxys(edge_pid: int) -> None:
+    proc = psutil.Process(edge_pid)
+    assert proc.name() == "haproxy", proc.cmdline()
+    # Ray started it through the wrapper, which exec'd the real binary with Ray's arguments.
+    assert "-f" in proc.cmdline()
+
+
+def test_every_haproxy_listener_is_on_loopback(edge_pid: int) -> None:
+    # Ray writes its stats page and Prometheus exporter as `bind *:PORT`; without the wrapper two of
+    # these would be 0.0.0.0.
+    listeners = _listeners(edge_pid)
+    assert len(listeners) >= 3, listeners  # the app's port, the stats page, the exporter
+    assert all(ip == "127.0.0.1" for ip, _ in listeners), listeners
+
+
+def test_a_stream_and_its_disconnect_pass_through_haproxy(serve_app: ServeApp, edge_pid: int) -> None:
+    body = {"model": MODEL_NAME, "prompt": "Count: 1, 2, 3,", "max_tokens": 2000, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    events = 0
+    with httpx.Client(timeout=60) as client, client.stream("POST", serve_app.url + "/v1/completions",
+                                                            json=body) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                events += 1
+            if events == 5:
+                break  # leave mid-stream: HAProxy closes its side to the replica (abortonclose)
+    assert events == 5
+    # The replica saw the disconnect through HAProxy and the engine dropped the request.
+    deadline = time.monotonic() + 20
+    while True:
+        stats = serve_app.engine_stats()
+        if stats["num_running"] == 0 and stats["num_waiting"] == 0:
+            assert stats["num_free_blocks"] == stats["num_kv_blocks"], stats
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+
+
+def test_the_wrapper_rewrites_only_binds_on_every_interface(tmp_path: Path) -> None:
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text("listen stats\n  bind *:8404\nfrontend prometheus\n    bind :9101\n"
+                   "frontend http_frontend\n    bind 127.0.0.1:8000\n    bind 10.0.0.5:8001\n")
+    out = subprocess.run([str(WRAPPER), "-db", "-f", str(cfg), "-sf", "123"], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "LIFECYCLE_HAPROXY_BINARY": "echo"}, check=True)
+    # The real binary gets exactly the arguments Ray gave.
+    assert out.stdout.split() == ["-db", "-f", str(cfg), "-sf", "123"]
+    assert cfg.read_text() == ("listen stats\n  bind 127.0.0.1:8404\nfrontend prometheus\n    bind 127.0.0.1:9101\n"
+                               "frontend http_frontend\n    bind 127.0.0.1:8000\n    bind 10.0.0.5:8001\n")
+
+
+def test_the_wrapper_runs_the_haproxy_ray_ships() -> None:
+    from tests.serve_harness import real_haproxy
+
+    out = subprocess.run([str(WRAPPER), "-v"], capture_output=True, text=True, check=True, timeout=30,
+                         env={**os.environ, "LIFECYCLE_HAPROXY_BINARY": real_haproxy()})
+    assert out.stdout.startswith("HAProxy version")
+
+
+def test_the_wrapper_refuses_to_run_itself() -> None:
+    # RAY_SERVE_HAPROXY_BINARY_PATH names the wrapper, so resolving "the real binary" through it
+    # would give the wrapper back: it must stop, not exec itself forever.
+    out = subprocess.run([str(WRAPPER), "-v"], capture_output=True, text=True, timeout=30,
+                         env={**os.environ, "LIFECYCLE_HAPROXY_BINARY": str(WRAPPER)})
+    assert out.returncode != 0
+    assert "names this wrapper" in out.stderr
+
+
+def test_serve_proxy_actor_is_off_the_path_but_answers(serve_app: ServeApp, edge_pid: int) -> None:
+    # The fallback proxy actor still serves the app (used by the A/B benchmarks), on loopback.
+    from tests.serve_harness import serve_proxy_url
+
+    url = serve_proxy_url()
+    assert url is not None
+    port = urlsplit(url).port
+    assert port is not None and port != urlsplit(serve_app.url).port
+    with socket.create_connection(("127.0.0.1", port), timeout=5):
+        pass
+    assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL_NAME
