@@ -208,6 +208,8 @@ class _EngineCollector:
                       s.get("rejected_overloaded", 0))
         yield counter("engine_reader_gone_aborts", "Requests aborted because the replica reading them died.",
                       s.get("consumer_gone_aborts", 0))
+        yield counter("engine_sampling_failures", "Requests ended alone because their own sampling raised.",
+                      s.get("sampling_failures", 0))
         fin = CounterMetricFamily(PREFIX + "engine_request_finished", "Requests leaving the engine by reason.",
                                   labels=[*names, "finished_reason"])
         for reason, count in s["finished_total"].items():

@@ -9,7 +9,12 @@ import pytest
 
 from stages.channel import merge_outputs
 from stages.engine.async_engine import AsyncEngine
-from stages.engine.errors import DuplicateRequestIdError, EngineOverloadedError, RequestRejectedError
+from stages.engine.errors import (
+    DuplicateRequestIdError,
+    EngineOverloadedError,
+    RequestRejectedError,
+    SamplingError,
+)
 from stages.protocol import EngineOutput, EngineRequest
 from tests.fakes import make_engine, params, reference
 
@@ -273,3 +278,50 @@ def test_health_problem_reports_a_stalled_or_dead_step_loop():
     stalled, after_shutdown = run(main())
     assert stalled is not None and "no progress" in stalled
     assert after_shutdown is not None  # the loop is gone: not healthy
+
+
+class FailingSampler:
+    """Wraps a runner: request ``bad``'s sampling fails from its ``after``-th sampled token on (the
+    runner's other requests are sampled as usual)."""
+
+    def __init__(self, inner, after: int) -> None:
+        self.inner, self.after = inner, after
+        self.num_blocks = inner.num_blocks
+        self.sampled = 0
+
+    def execute(self, batch):
+        out = self.inner.execute(batch)
+        if "bad" in out:
+            self.sampled += 1
+            if self.sampled > self.after:
+                out["bad"] = SamplingError("sampling failed for this request (IndexError: test)")
+        return out
+
+
+def test_a_sampling_failure_fails_that_stream_only_and_the_engine_goes_on():
+    async def consume(eng, rid, prompt, n):
+        tokens = []
+        async for outs in eng.generate(EngineRequest(rid, prompt, params(max_tokens=n))):
+            tokens += [t for o in outs for t in o.new_token_ids]
+        return tokens
+
+    async def main():
+        engine = _engine()
+        engine.runner = FailingSampler(engine.runner, after=3)
+        eng = AsyncEngine(engine, replica="r0")
+        eng.start()
+        # (Bounded: a failure nobody reports would leave "bad" waiting forever.)
+        results = await asyncio.wait_for(asyncio.gather(consume(eng, "good", [1, 2, 3], 12),
+                                                        consume(eng, "bad", [4, 5, 6], 12),
+                                                        return_exceptions=True), 10)
+        later = await consume(eng, "later", [7, 8], 5)  # the same engine, still serving
+        stats = engine.stats()
+        eng.shutdown()
+        return results, later, stats, eng
+
+    (good, bad), later, stats, eng = run(main())
+    assert good == reference([1, 2, 3], 12)
+    assert isinstance(bad, SamplingError), bad
+    assert later == reference([7, 8], 5)
+    assert eng.dead is None and stats.sampling_failures == 1
+    assert stats.num_free_blocks == stats.num_kv_blocks and stats.num_running == 0

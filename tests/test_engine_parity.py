@@ -216,3 +216,29 @@ def test_logits_close_to_transformers(engine, hf_model, prompts):
     engine.abort(req.request_id)
     engine.step()
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_request_whose_sampling_fails_ends_alone(engine, prompts, reference):
+    # A logit_bias on a token id beyond the vocabulary: Preprocess refuses it (400), so only a caller
+    # that reaches the engine directly can send it; the real sampler raises IndexError on it.
+    # That request must end with a SamplingError; the requests batched with it must not notice.
+    from stages.engine.errors import SamplingError
+
+    bad = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True,
+                         logit_bias={engine.vocab_size + 7: 1.0})
+    engine.add_request("bad", prompts[0], bad)
+    good = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    for i in (1, 2):
+        engine.add_request(f"good{i}", prompts[i], good)
+    got: dict[int, list[int]] = {1: [], 2: []}
+    failures = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.request_id != "bad", o  # no output at all, not even an "abort"
+            got[int(o.request_id[4:])].extend(o.new_token_ids)
+        failures += engine.take_failures()
+    assert [rid for rid, _ in failures] == ["bad"]
+    assert isinstance(failures[0][1], SamplingError) and "IndexError" in failures[0][1].message
+    _assert_parity(got, reference, [1, 2])
+    assert "bad" not in engine.requests and engine.stats().sampling_failures == 1
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -24,6 +24,7 @@ from stages.engine.errors import (
     EngineOverloadedError,
     PromptTooLongError,
     RequestRejectedError,
+    SamplingError,
 )
 from stages.errors import (
     AuthenticationError,
@@ -271,6 +272,15 @@ def test_dead_engine_is_503(how: int) -> None:
     assert type(err) is EngineUnavailableError
     assert err.status_code == 503
     assert err.message == "engine is dead: RuntimeError('cuda')"
+
+
+@pytest.mark.parametrize("how", range(3), ids=["raw", "RayTaskError", "dual"])
+def test_a_failed_sampling_is_500_that_names_the_exception(how: int) -> None:
+    err = to_serve_error(_wrapped(SamplingError("sampling failed for this request (IndexError: index 49159)"))[how])
+    assert type(err) is InternalServerError
+    assert err.status_code == 500
+    assert err.to_dict()["error"]["type"] == "internal_error"
+    assert err.message == "sampling failed for this request (IndexError: index 49159)"
 
 
 @pytest.mark.parametrize("gone", [

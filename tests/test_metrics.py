@@ -66,7 +66,7 @@ def stats(**over: Any) -> dict[str, Any]:
         "prefix_cache_queries": 500, "prefix_cache_hits": 120, "num_preemptions": 4,
         "prompt_tokens_total": 1000, "generation_tokens_total": 700,
         "finished_total": {"stop": 5, "length": 2, "abort": 1}, "num_steps": 99,
-        "num_streams": 5, "tokens_after_gone": 11, "rejected_overloaded": 6,
+        "num_streams": 5, "tokens_after_gone": 11, "rejected_overloaded": 6, "sampling_failures": 2,
         "abort_latency_buckets": [("0.001", 1), ("0.01", 3), ("+Inf", 4)], "abort_latency_sum": 0.5,
         "max_num_seqs": 8, "block_size": 16, "max_waiting": 8, "stalled_s": 0.0,
     }
@@ -230,7 +230,7 @@ def test_render_app_labels_every_engine_replica() -> None:
         assert (v(name, "engine-0"), v(name, "engine-1")) == (first, second), name
     counters = {"prompt_tokens_total": 1000, "num_preemptions_total": 4, "prefix_cache_queries_total": 500,
                 "prefix_cache_hits_total": 120, "tokens_after_client_gone_total": 11,
-                "engine_rejected_overloaded_total": 6}
+                "engine_rejected_overloaded_total": 6, "engine_sampling_failures_total": 2}
     for name, expected in counters.items():
         assert v(name, "engine-0") == v(name, "engine-1") == expected, name
     assert (v("generation_tokens_total", "engine-0"), v("generation_tokens_total", "engine-1")) == (700, 300)

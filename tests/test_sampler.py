@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
+from stages.engine.errors import SamplingError
 from stages.engine.sampler import Sampler, SamplingContext, apply_penalties
 from stages.protocol import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -150,6 +151,25 @@ def test_top_k_beyond_the_vocabulary_keeps_every_token_even_past_int64() -> None
     huge = draw_many(logits, [{"top_k": 56601025981351854763637997568, "top_p": 0.6}], n=2000)
     alone = draw_many(logits, [{"top_p": 0.6}], n=2000)
     assert set(huge[0]) == set(alone[0]) == nucleus(logits[0].softmax(0), 0.6)
+
+
+def test_a_row_whose_sampling_raises_fails_alone() -> None:
+    # A logit_bias on an id beyond the vocabulary makes the real sampler raise IndexError (the API
+    # refuses it; the engine's own callers need not). In a batch, only that row fails.
+    logits = randn(4, 64, seed=41, scale=2.0)
+    rows = [ctx(temperature=0.0), ctx(temperature=0.0, logit_bias={64 + 3: 5.0}),
+            ctx(temperature=0.7, seed=5), ctx(temperature=0.0, logprobs=2)]
+    with pytest.raises(IndexError):
+        Sampler().sample(logits, rows)
+    out = Sampler().sample_or_fail(logits, rows, labels=["a", "b", "c", "d"])
+    assert isinstance(out[1], SamplingError) and "IndexError" in out[1].message
+    assert out[0] == (int(logits[0].argmax()), None)
+    assert out[3][0] == int(logits[3].argmax()) and out[3][1] is not None
+    # The batched attempt failed before anything drew from the seeded row's generator.
+    assert out[2] == Sampler().sample(logits[2:3], [ctx(temperature=0.7, seed=5)])[0]
+    # A batch that samples fine is exactly sample()'s.
+    good = [rows[0], rows[3]]
+    assert Sampler().sample_or_fail(logits[[0, 3]], good) == Sampler().sample(logits[[0, 3]], good)
 
 
 # -- 4. penalties -------------------------------------------------------------------------------

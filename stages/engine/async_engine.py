@@ -361,6 +361,8 @@ class AsyncEngine:
                 self._stats = engine.stats()
                 if outputs:
                     self._call_loop(self._dispatch, outputs)
+                for rid, error in engine.take_failures():
+                    self._call_loop(self._fail_stream, rid, error)
                 if self.step_hook is not None:
                     self.step_hook(engine, outputs, now - t0)
         except BaseException as exc:  # noqa: BLE001 - any crash makes the engine dead, loudly

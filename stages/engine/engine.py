@@ -15,7 +15,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from stages.engine.block_manager import BlockManager
-from stages.engine.errors import DuplicateRequestIdError, PromptTooLongError, RequestRejectedError
+from stages.engine.errors import (
+    DuplicateRequestIdError,
+    PromptTooLongError,
+    RequestRejectedError,
+    SamplingError,
+)
 from stages.engine.request import EventType, Request, RequestStatus
 from stages.engine.scheduler import Scheduler, SchedulerConfig
 from stages.protocol import EngineOutput, GrammarSpec, SamplingParams, TokenLogprob
@@ -77,6 +82,8 @@ class EngineStats:
     grammar_mask_seconds: float = 0.0
     grammar_templates_built: int = 0
     num_running_constrained: int = 0
+    #: Requests ended by a :class:`SamplingError` (their batch went on).
+    sampling_failures: int = 0
     #: ``[(le, cumulative count)]`` of per-step mask-fill seconds (empty without structured outputs).
     grammar_mask_buckets: list[tuple[str, int]] = field(default_factory=list)
 
@@ -124,6 +131,9 @@ class LLMEngine:
         self.grammars = grammars
         #: Requests ended because a sampled token broke their grammar (a bug if ever non-zero).
         self.grammar_violations = 0
+        #: ``(request_id, error)`` of requests that failed in a step, until the driver takes them.
+        self._failures: list[tuple[str, SamplingError]] = []
+        self.sampling_failures = 0
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -218,7 +228,16 @@ class LLMEngine:
             self.block_manager.cache_full_blocks(req)
             if req.request_id not in sampled:
                 continue
-            token_id, logprob = sampled[req.request_id]
+            result = sampled[req.request_id]
+            if isinstance(result, SamplingError):
+                # This request alone: it leaves (blocks freed now) with no final output; the driver
+                # fails its stream with the error (take_failures).
+                self.sampling_failures += 1
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                self._retire(req)
+                self._failures.append((req.request_id, result))
+                continue
+            token_id, logprob = result
             first = req.num_output_tokens == 0
             req.append_output(token_id, logprob)
             req.record(EventType.FIRST_TOKEN if first else EventType.DECODE_STEP, now)
@@ -247,6 +266,12 @@ class LLMEngine:
                                           num_cached_tokens=max(req.num_cached_tokens, 0),
                                           timings=req.timings() if first else {}))
         return outputs
+
+    def take_failures(self) -> list[tuple[str, SamplingError]]:
+        """The requests that failed since the last call, each with its error (they are already gone
+        from the engine, their blocks free); the driver fails their streams with these."""
+        failures, self._failures = self._failures, []
+        return failures
 
     def _final_output(self, req: Request, tokens: list[int],
                       logprobs: list[TokenLogprob] | None = None) -> EngineOutput:
@@ -278,6 +303,7 @@ class LLMEngine:
             generation_tokens_total=self.generation_tokens_total,
             finished_total=dict(self.finished_total),
             num_steps=self.num_steps,
+            sampling_failures=self.sampling_failures,
             **self._grammar_stats(),
         )
 

@@ -48,5 +48,10 @@ class EngineOverloadedError(EngineError):
         self.retry_after = retry_after
 
 
+class SamplingError(EngineError):
+    """Sampling failed for this request alone (its parameters hit a case the sampler could not
+    handle). The request ends; the other requests of its batch, and the engine, go on."""
+
+
 class EngineDeadError(EngineError):
     """The step loop crashed or stalled; this engine replica cannot serve and will be replaced."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from stages.engine.errors import SamplingError
 from stages.engine.loader import quantized_weights, resolve_weights
 from stages.engine.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
 from stages.engine.sampler import Sampler, SamplingContext
@@ -215,9 +216,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest], grammars: Any = None
-                ) -> dict[str, tuple[int, TokenLogprob | None]]:
+                ) -> dict[str, tuple[int, TokenLogprob | None] | SamplingError]:
         """Run the forward pass for ``batch`` and sample for every sequence whose chunk ends its
-        known tokens. Returns ``{request_id: (token_id, logprob)}``.
+        known tokens. Returns ``{request_id: (token_id, logprob)}``, or a :class:`SamplingError`
+        for a request whose own sampling failed (:meth:`Sampler.sample_or_fail`).
 
         ``grammars`` (a :class:`~stages.engine.structured.GrammarBackend`) fills the structured-output
         masks of the sampling rows while the model runs (llguidance works without the GIL)."""
@@ -237,7 +239,7 @@ class ModelRunner:
                 req.generator = Sampler.make_generator(req.params.seed, self.device)
             rows.append(SamplingContext(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
                                         constrained=req.grammar is not None))
-        sampled = self.sampler.sample(logits.float(), rows, bitmask)
+        sampled = self.sampler.sample_or_fail(logits.float(), rows, bitmask, [r.request_id for r in samplers])
         return {req.request_id: out for req, out in zip(samplers, sampled, strict=True)}
 
     def _mask_pool(self) -> concurrent.futures.ThreadPoolExecutor:

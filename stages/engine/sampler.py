@@ -3,7 +3,8 @@
 Order per step, as in vLLM: token restrictions (the structured-output bitmask, ``allowed_token_ids``,
 ``bad_words``, ``logit_bias``) -> penalties -> temperature -> top-k/top-p -> min-p -> sample. Each stage is vectorised with per-row parameter tensors over only the rows that need it,
 so a batch of plain requests pays for none of it. An all-greedy batch without penalties or
-logprobs (the common decode step) is one argmax and one ``.tolist()``.
+logprobs (the common decode step) is one argmax and one ``.tolist()``. The engine samples through
+:meth:`Sampler.sample_or_fail`: a row whose parameters make sampling raise fails alone.
 
 Sampling uses the exponential race: ``argmax(probs / q)`` with ``q ~ Exponential(1)`` per token is
 an exact draw from ``probs`` (and needs no normalisation, so masked probabilities can simply be
@@ -13,11 +14,15 @@ tokens depend only on its seed and its own logits, not on its batch neighbours o
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
+from stages.engine.errors import SamplingError
 from stages.protocol import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprob
+
+logger = logging.getLogger(__name__)
 
 #: Temperatures below this are greedy (as in vLLM): dividing float32 logits by a near-zero
 #: temperature overflows to inf and turns the softmax into NaN.
@@ -164,6 +169,28 @@ class Sampler:
             x = logits if restricted is None else restricted
             return [(t, None) for t in x.argmax(dim=-1).tolist()]
         return self._sample_general(logits, rows, restricted)
+
+    def sample_or_fail(self, logits: torch.Tensor, rows: list[SamplingContext], bitmask: torch.Tensor | None = None,
+                       labels: list[str] | None = None) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
+        """:meth:`sample`, where one row's failure is that row's alone.
+
+        Rows are independent, so when the batched call raises, each row is sampled on its own and
+        only the rows that raise alone get a :class:`SamplingError` in their place (``labels``, the
+        rows' request ids, name them in the log). A seeded row sampled twice this way draws from
+        its generator again, so its sequence differs from a run without the failure."""
+        try:
+            return self.sample(logits, rows, bitmask)
+        except Exception:  # noqa: BLE001 - one row's parameters must not end its whole batch
+            logger.warning("batched sampling failed for %d rows; sampling them one by one", len(rows),
+                           exc_info=True)
+        out: list[tuple[int, TokenLogprob | None] | SamplingError] = []
+        for i, row in enumerate(rows):
+            try:
+                out.extend(self.sample(logits[i:i + 1], [row], None if bitmask is None else bitmask[i:i + 1]))
+            except Exception as exc:  # noqa: BLE001 - becomes this request's error
+                logger.exception("sampling failed for request %s", labels[i] if labels else i)
+                out.append(SamplingError(f"sampling failed for this request ({type(exc).__name__}: {exc})"))
+        return out
 
     def _sample_general(self, logits: torch.Tensor, rows: list[SamplingContext],
                         restricted: torch.Tensor | None = None) -> list[tuple[int, TokenLogprob | None]]:

@@ -19,6 +19,7 @@ from stages.engine.errors import (
     EngineOverloadedError,
     PromptTooLongError,
     RequestRejectedError,
+    SamplingError,
 )
 from stages.errors import (
     ContextLengthExceededError,
@@ -53,6 +54,10 @@ def to_serve_error(exc: BaseException) -> ServeError:
         return QueueFullError(err.message, retry_after=err.retry_after)
     if isinstance(err, EngineDeadError):
         return EngineUnavailableError(err.message)
+    if isinstance(err, SamplingError):
+        # The server failed this request's own sampling (logged on the engine with the traceback);
+        # the message names the exception, which is about its parameters, not the server's internals.
+        return InternalServerError(err.message)
     if isinstance(err, _REPLICA_GONE):
         return EngineUnavailableError(f"A server replica became unavailable: {type(err).__name__}. Retry.")
     if isinstance(err, DuplicateRequestIdError):
