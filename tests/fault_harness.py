@@ -52,15 +52,26 @@ def rss_bytes(pid: int) -> int:
 
 def direct_ingress_url(app: str, route_prefix: str) -> str:
     """The HTTP address of ``app``'s Ingress replica itself (Serve's direct ingress), bypassing the
-    Serve proxy: there the replica's ASGI ``send`` is uvicorn's, which waits for a slow client."""
+    edge (HAProxy or Serve's proxy): there the replica's ASGI ``send`` is uvicorn's, which waits for
+    a slow client."""
     import ray
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+    from ray.serve._private.constants import (
+        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT,
+        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
+        SERVE_CONTROLLER_NAME,
+        SERVE_NAMESPACE,
+    )
 
     controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-    for group in ray.get(controller.get_target_groups.remote(app), timeout=30):
-        if str(group.protocol).upper().endswith("HTTP") and group.route_prefix == route_prefix and group.targets:
-            # The replica binds to the Serve HTTP host (loopback in the tests), not the node's IP.
-            return f"http://127.0.0.1:{group.targets[0].port}{route_prefix.rstrip('/')}"
+    # As the HAProxy manager asks (from_proxy_manager): the replicas themselves, not HAProxy; the
+    # replicas' ports are the direct-ingress range (Serve's fallback proxy may be listed beside them).
+    ports = range(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT + 1)
+    for group in ray.get(controller.get_target_groups.remote(app, True), timeout=30):
+        if str(group.protocol).upper().endswith("HTTP") and group.route_prefix == route_prefix:
+            for target in group.targets:
+                if target.port in ports:
+                    # The replica binds to the Serve HTTP host (loopback in the tests), not the node's IP.
+                    return f"http://127.0.0.1:{target.port}{route_prefix.rstrip('/')}"
     raise AssertionError(f"no direct-ingress HTTP target for app {app!r}")
 
 

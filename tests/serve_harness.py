@@ -38,10 +38,10 @@ def real_haproxy() -> str:
 def haproxy_env() -> dict[str, str]:
     """Serve's HAProxy ingress, as ``make serve`` runs it: HAProxy on the HTTP port, in front of
     each Ingress replica's own HTTP server (README, "The HTTP edge"). Every listener on loopback
-    (``bin/haproxy-loopback``), one HAProxy thread, and free ports for HAProxy's stats page and
+    (``bin/haproxy-edge``), one HAProxy thread, and free ports for HAProxy's stats page and
     exporter and Serve's fallback proxy, so this Ray can run beside ``make serve``."""
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_NBTHREAD": "1",
-            "RAY_SERVE_HAPROXY_BINARY_PATH": os.path.join(ROOT, "bin", "haproxy-loopback"),
+            "RAY_SERVE_HAPROXY_BINARY_PATH": os.path.join(ROOT, "bin", "haproxy-edge"),
             "LIFECYCLE_HAPROXY_BINARY": real_haproxy(),
             "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
             "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),

@@ -1,9 +1,11 @@
 """The HTTP edge: Serve's HAProxy ingress in front of the Ingress replicas' own HTTP servers.
 
 ``make serve`` and the test harness run HAProxy (``RAY_SERVE_ENABLE_HA_PROXY=1``) on the app's
-port, through ``bin/haproxy-loopback``, which keeps every HAProxy listener on loopback. These tests
-check what a user relies on: the port they call is HAProxy's, nothing it opens listens beyond
-127.0.0.1, a stream and a disconnect pass through it, and the wrapper's rewrite itself.
+port, through ``bin/haproxy-edge``, which edits Ray's HAProxy config (no request splicing, so a
+client's abort reaches the replica; every listener on loopback). These tests check what a user
+relies on: the port they call is HAProxy's, nothing it opens listens beyond 127.0.0.1, a stream and
+a disconnect pass through it, and the wrapper's edit itself. (tests/test_cancellation.py checks
+that a non-streamed request whose client gave up is aborted in the engine, through this edge.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import pytest
 from tests.conftest import MODEL_NAME, ServeApp
 
 ROOT = Path(__file__).resolve().parent.parent
-WRAPPER = ROOT / "bin" / "haproxy-loopback"
+WRAPPER = ROOT / "bin" / "haproxy-edge"
 
 
 def _listeners(pid: int) -> list[tuple[str, int]]:
@@ -87,16 +89,35 @@ def test_a_stream_and_its_disconnect_pass_through_haproxy(serve_app: ServeApp, e
         time.sleep(0.2)
 
 
-def test_the_wrapper_rewrites_only_binds_on_every_interface(tmp_path: Path) -> None:
+RAY_CONFIG = ("defaults\n    mode http\n    option abortonclose\n    option splice-request\n"
+              "    option splice-response\nlisten stats\n  bind *:8404\nfrontend prometheus\n    bind :9101\n"
+              "frontend http_frontend\n    bind 127.0.0.1:8000\n    bind 10.0.0.5:8001\n")
+
+
+def _wrap(cfg: Path, **env: str) -> list[str]:
+    out = subprocess.run([str(WRAPPER), "-db", "-f", str(cfg), "-sf", "123"], capture_output=True, text=True,
+                         timeout=30, env={**os.environ, "LIFECYCLE_HAPROXY_BINARY": "echo", **env}, check=True)
+    return out.stdout.split()
+
+
+def test_the_wrapper_drops_request_splicing_and_keeps_listeners_on_loopback(tmp_path: Path) -> None:
     cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text("listen stats\n  bind *:8404\nfrontend prometheus\n    bind :9101\n"
-                   "frontend http_frontend\n    bind 127.0.0.1:8000\n    bind 10.0.0.5:8001\n")
-    out = subprocess.run([str(WRAPPER), "-db", "-f", str(cfg), "-sf", "123"], capture_output=True, text=True, timeout=30,
-                         env={**os.environ, "LIFECYCLE_HAPROXY_BINARY": "echo"}, check=True)
+    cfg.write_text(RAY_CONFIG)
     # The real binary gets exactly the arguments Ray gave.
-    assert out.stdout.split() == ["-db", "-f", str(cfg), "-sf", "123"]
-    assert cfg.read_text() == ("listen stats\n  bind 127.0.0.1:8404\nfrontend prometheus\n    bind 127.0.0.1:9101\n"
+    assert _wrap(cfg) == ["-db", "-f", str(cfg), "-sf", "123"]
+    # splice-request goes (with http-reuse it kept a client's abort from the replica); only binds on
+    # every interface move to loopback.
+    assert cfg.read_text() == ("defaults\n    mode http\n    option abortonclose\n    option splice-response\n"
+                               "listen stats\n  bind 127.0.0.1:8404\nfrontend prometheus\n    bind 127.0.0.1:9101\n"
                                "frontend http_frontend\n    bind 127.0.0.1:8000\n    bind 10.0.0.5:8001\n")
+
+
+def test_the_wrapper_keeps_rays_binds_in_a_pod(tmp_path: Path) -> None:
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(RAY_CONFIG)
+    _wrap(cfg, LIFECYCLE_HAPROXY_ALL_INTERFACES="1")
+    text = cfg.read_text()
+    assert "bind *:8404" in text and "bind :9101" in text and "splice-request" not in text
 
 
 def test_the_wrapper_runs_the_haproxy_ray_ships() -> None:
