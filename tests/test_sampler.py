@@ -161,7 +161,7 @@ def test_a_row_whose_sampling_raises_fails_alone() -> None:
             ctx(temperature=0.7, seed=5), ctx(temperature=0.0, logprobs=2)]
     with pytest.raises(IndexError):
         Sampler().sample(logits, rows)
-    out = Sampler().sample_or_fail(logits, rows, labels=["a", "b", "c", "d"])
+    out = Sampler().sample_or_fail(logits, rows)
     assert isinstance(out[1], SamplingError) and "IndexError" in out[1].message
     assert out[0] == (int(logits[0].argmax()), None)
     assert out[3][0] == int(logits[3].argmax()) and out[3][1] is not None

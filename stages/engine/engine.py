@@ -233,6 +233,7 @@ class LLMEngine:
                 # This request alone: it leaves (blocks freed now) with no final output; the driver
                 # fails its stream with the error (take_failures).
                 self.sampling_failures += 1
+                logger.error("request %s ended: %s", req.request_id, result.message)
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
                 self._retire(req)
                 self._failures.append((req.request_id, result))

@@ -239,7 +239,7 @@ class ModelRunner:
                 req.generator = Sampler.make_generator(req.params.seed, self.device)
             rows.append(SamplingContext(req.params, req.prompt_token_ids, req.output_token_ids, req.generator,
                                         constrained=req.grammar is not None))
-        sampled = self.sampler.sample_or_fail(logits.float(), rows, bitmask, [r.request_id for r in samplers])
+        sampled = self.sampler.sample_or_fail(logits.float(), rows, bitmask)
         return {req.request_id: out for req, out in zip(samplers, sampled, strict=True)}
 
     def _mask_pool(self) -> concurrent.futures.ThreadPoolExecutor:

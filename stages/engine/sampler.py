@@ -170,14 +170,14 @@ class Sampler:
             return [(t, None) for t in x.argmax(dim=-1).tolist()]
         return self._sample_general(logits, rows, restricted)
 
-    def sample_or_fail(self, logits: torch.Tensor, rows: list[SamplingContext], bitmask: torch.Tensor | None = None,
-                       labels: list[str] | None = None) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
+    def sample_or_fail(self, logits: torch.Tensor, rows: list[SamplingContext], bitmask: torch.Tensor | None = None
+                       ) -> list[tuple[int, TokenLogprob | None] | SamplingError]:
         """:meth:`sample`, where one row's failure is that row's alone.
 
         Rows are independent, so when the batched call raises, each row is sampled on its own and
-        only the rows that raise alone get a :class:`SamplingError` in their place (``labels``, the
-        rows' request ids, name them in the log). A seeded row sampled twice this way draws from
-        its generator again, so its sequence differs from a run without the failure."""
+        only the rows that raise alone get a :class:`SamplingError` in their place. A seeded row
+        sampled twice this way draws from its generator again, so its sequence differs from a run
+        without the failure. Nothing extra is done while the batched call succeeds."""
         try:
             return self.sample(logits, rows, bitmask)
         except Exception:  # noqa: BLE001 - one row's parameters must not end its whole batch
@@ -188,7 +188,7 @@ class Sampler:
             try:
                 out.extend(self.sample(logits[i:i + 1], [row], None if bitmask is None else bitmask[i:i + 1]))
             except Exception as exc:  # noqa: BLE001 - becomes this request's error
-                logger.exception("sampling failed for request %s", labels[i] if labels else i)
+                logger.exception("sampling failed for row %d of %d", i, len(rows))
                 out.append(SamplingError(f"sampling failed for this request ({type(exc).__name__}: {exc})"))
         return out
 
