@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from urllib.parse import urlparse
 
+from tests.serve_harness import free_port
+
 CONF = """\
 {user}worker_processes 1;
 daemon off;
@@ -69,11 +71,6 @@ def nginx_binary() -> str | None:
                                           if os.access(p, os.X_OK)), None)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Nginx:
     """``with Nginx(upstream_url) as ng: ng.urls["default"], ng.urls["ignore"]``."""
@@ -87,7 +84,7 @@ class Nginx:
         self.upstream = f"{u.hostname}:{u.port or 80}"
         self.dir = Path(tempfile.mkdtemp(prefix="bench-nginx-"))
         self.variants = dict(variants or VARIANTS)
-        self.ports = {k: _free_port() for k in self.variants}
+        self.ports = {k: free_port() for k in self.variants}
         self.urls = {k: f"http://127.0.0.1:{p}" for k, p in self.ports.items()}
         self.http11 = http11
         self.proc: subprocess.Popen[bytes] | None = None

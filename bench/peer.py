@@ -4,13 +4,14 @@ this server's embedded model comes from, started and stopped by the benchmark.""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
+
+from tests.serve_harness import free_port
 
 DEFAULT_BINARY = Path(os.environ.get("LIFECYCLE_SERVE_CACHE", Path.home() / ".cache" / "lifecycle-serve")) \
     / "peer" / "llama-server"
@@ -23,11 +24,6 @@ def default_gguf() -> Path:
     return embedded_gguf_path()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class LlamaServer:
     """``llama-server -t THREADS -np PARALLEL -c CTX`` on a free loopback port."""
@@ -38,7 +34,7 @@ class LlamaServer:
         if not os.access(self.binary, os.X_OK):
             raise FileNotFoundError(f"no llama-server at {self.binary}: build it with `make peer`")
         self.gguf = Path(gguf) if gguf else default_gguf()
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = ["-m", str(self.gguf), "-t", str(threads), "-np", str(parallel), "-c", str(ctx),
                      "--host", "127.0.0.1", "--port", str(self.port), "--metrics"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import httpx
 import psutil
 import yaml
 
+from tests.serve_harness import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 #: Loopback only, no auth token to hand around, no usage stats; direct ingress drains for 1 s.
@@ -35,11 +36,6 @@ ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"
        "RAY_SERVE_ENABLE_HA_PROXY": "0",
        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

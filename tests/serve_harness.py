@@ -43,18 +43,51 @@ def haproxy_env() -> dict[str, str]:
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_NBTHREAD": "1",
             "RAY_SERVE_HAPROXY_BINARY_PATH": os.path.join(ROOT, "bin", "haproxy-edge"),
             "LIFECYCLE_HAPROXY_BINARY": real_haproxy(),
-            "RAY_SERVE_HAPROXY_STATS_PORT": str(_free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(_free_port()),
-            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(_free_port()),
-            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(_free_port())}
+            "RAY_SERVE_HAPROXY_STATS_PORT": str(free_port()), "RAY_SERVE_HAPROXY_METRICS_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(free_port()),
+            "RAY_SERVE_FALLBACK_PROXY_GRPC_PORT": str(free_port())}
 
 
 _STATE: dict[str, Any] = {}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+#: Ports handed out by :func:`free_port` in this process (never twice).
+_HANDED: set[int] = set()
+#: Ray's default worker-port range ends at 19999; the kernel's ephemeral range starts above.
+_PORT_FLOOR = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A loopback port that is free now and stays free until bound later by another process.
+
+    Why not ``bind(0)``: that returns an *ephemeral* port, which the kernel hands to the next
+    outgoing connection or ``bind(0)`` of any process (Ray's own servers, for one) between this
+    call and the later bind, and HAProxy then fails with "Address already in use" (seen). Ports
+    are drawn between Ray's worker-port range and the kernel's ephemeral range instead."""
+    import random
+
+    high = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(_PORT_FLOOR, high) if high > _PORT_FLOOR + 100 else 0
+        if port in _HANDED:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _HANDED.add(port)
+        return port
+    raise RuntimeError("no free loopback port")
 
 
 def start_ray(num_cpus: int = 8) -> tuple[str, str]:
@@ -69,7 +102,7 @@ def start_ray(num_cpus: int = 8) -> tuple[str, str]:
     import ray
     from ray import serve
 
-    port = _free_port()
+    port = free_port()
     # address="local": always a fresh cluster of our own, never one `ray start` left on the machine.
     ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
                    runtime_env={"env_vars": dict(SERVE_ENV)})

@@ -125,9 +125,9 @@ def bare_server() -> Any:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
-    from tests.serve_harness import _free_port
+    from tests.serve_harness import free_port
 
-    port = _free_port()
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
