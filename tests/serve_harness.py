@@ -53,8 +53,9 @@ _STATE: dict[str, Any] = {}
 
 #: Ports handed out by :func:`free_port` in this process (never twice).
 _HANDED: set[int] = set()
-#: Ray's default worker-port range ends at 19999; the kernel's ephemeral range starts above.
-_PORT_FLOOR = 20000
+#: Ray's default worker-port range ends at 19999; Serve's direct-ingress HTTP ports start at 30000
+#: (its gRPC ports at 40000, in the kernel's ephemeral range, which starts at 32768 here).
+_PORT_FLOOR, _PORT_CEILING = 20000, 30000
 
 
 def _ephemeral_low() -> int:
@@ -66,15 +67,16 @@ def _ephemeral_low() -> int:
 
 
 def free_port() -> int:
-    """A loopback port that is free now and stays free until bound later by another process.
+    """A loopback port, free now, for another process (HAProxy, nginx, a peer) to bind later.
 
     Why not ``bind(0)``: that returns an *ephemeral* port, which the kernel hands to the next
     outgoing connection or ``bind(0)`` of any process (Ray's own servers, for one) between this
     call and the later bind, and HAProxy then fails with "Address already in use" (seen). Ports
-    are drawn between Ray's worker-port range and the kernel's ephemeral range instead."""
+    are drawn between Ray's worker ports and Serve's direct-ingress ports instead (both ranges
+    are bound by Ray's own processes), below the kernel's ephemeral range."""
     import random
 
-    high = _ephemeral_low()
+    high = min(_ephemeral_low(), _PORT_CEILING)
     for _ in range(200):
         port = random.randrange(_PORT_FLOOR, high) if high > _PORT_FLOOR + 100 else 0
         if port in _HANDED:
