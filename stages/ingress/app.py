@@ -383,8 +383,9 @@ class Ingress:
         return JSONResponse({"status": "ok", "replica": self.replica})
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        texts, engines = await app_metrics(self.directory, self.replica, self.metrics.exposition())
-        body, content_type = render_app(self.served_name, texts, engines)
+        own = await asyncio.to_thread(self.metrics.exposition)  # off the loop, as in the reports
+        texts, engines = await app_metrics(self.directory, self.replica, own)
+        body, content_type = await asyncio.to_thread(render_app, self.served_name, texts, engines)
         return PlainTextResponse(body, media_type=content_type)
 
     # -- other routes ---------------------------------------------------------------------------------

@@ -49,11 +49,17 @@ async def health_problems(preprocess: Any, egress: Any, engine: Any, directory: 
 
 
 async def report_metrics_forever(directory: Any, replica: str, exposition: Any) -> None:
-    """Send this replica's own metrics text to the directory every ``METRICS_REPORT_S``."""
+    """Send this replica's own metrics text to the directory every ``METRICS_REPORT_S``.
+
+    The text is rendered on a worker thread: under load it is ~47 KB of histograms, 5-8 ms of
+    CPU that took 5-78 ms of wall time on the event loop (the loop's thread loses the GIL to
+    gRPC's poller meanwhile), and every stream of the replica waited that long (measured, 32
+    streams on 2 cores)."""
     while True:
         await asyncio.sleep(METRICS_REPORT_S)
         try:
-            await directory.report_ingress.remote(replica, exposition())
+            text = await asyncio.to_thread(exposition)
+            await directory.report_ingress.remote(replica, text)
         except Exception as exc:  # noqa: BLE001 - the directory restarts; keep reporting
             logger.warning("metrics report to the directory failed: %r", exc)
 
