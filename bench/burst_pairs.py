@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""The graph against the same engine in-process at N streams, burst by burst, with the engine's
+step thread accounted on both sides.
+
+``bench_graph.py`` alternates whole suites (idle, 1 stream, N streams) round by round; on a noisy
+2-core machine its three N-stream bursts can differ by 25% on the *same* side. Here only the
+N-stream burst runs, in pairs (in-process then graph, the order flipping every pair), so each
+ratio compares bursts a few seconds apart; the median of the per-pair ratios is the figure.
+
+For every burst the step thread's own counters are read from ``/proc`` (in this process for the
+in-process engine, in the Engine replica's process for the graph): time on a CPU, time waiting on
+the run queue, voluntary and involuntary context switches. That splits a slower graph into "the
+step thread computed longer" and "the step thread was off the CPU".
+
+    .venv/bin/python bench/burst_pairs.py --pairs 8 --out bench/results/burst_pairs.json
+    .venv/bin/python bench/burst_pairs.py --pairs 6 --worker-nice 15   # + the graph with Ray's threads reniced
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_graph import graph_side, inproc_side, prompts  # noqa: E402
+from bench.common import ServeApp, machine  # noqa: E402
+from stages.config import EngineSettings  # noqa: E402
+from stages.model_info import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
+
+#: The graph again with every Ray worker thread but the step thread at ``--worker-nice``.
+NICE_SIDE = "graph_workers_reniced"
+
+
+def thread_counters(pid: int, tid: int) -> dict[str, float]:
+    """On-CPU and run-queue seconds and context switches of one thread, from ``/proc``."""
+    run_ns, wait_ns, _ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+    status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines()
+                  if ":\t" in line)
+    return {"on_cpu_s": int(run_ns) / 1e9, "runqueue_s": int(wait_ns) / 1e9,
+            "voluntary": float(status["voluntary_ctxt_switches"]),
+            "involuntary": float(status["nonvoluntary_ctxt_switches"])}
+
+
+def thread_cpu(pid: int) -> dict[int, float]:
+    """CPU nanoseconds so far of every thread of ``pid``."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            out[int(tid)] = float(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except OSError:
+            continue
+    return out
+
+
+def renice_ray_workers(nice: int, keep: int) -> list[tuple[int, int]]:
+    """Give every thread of every Ray worker process (``ray::…``) below ``nice`` that nice value,
+    except the thread ``keep`` (the engine's step thread); returns ``[(tid, old nice)]`` to undo.
+
+    Why: Ray starts a worker's Python threads at nice 15 but its C++ threads (gRPC pollers,
+    event engines, the core worker's io) stay at 0, the step thread's own priority."""
+    changed = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if not Path(f"/proc/{entry}/cmdline").read_bytes().startswith(b"ray::"):
+                continue
+            tids = [int(t) for t in os.listdir(f"/proc/{entry}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                old = os.getpriority(os.PRIO_PROCESS, tid)
+                if tid != keep and old < nice:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
+                    changed.append((tid, old))
+            except OSError:
+                continue
+    return changed
+
+
+def restore_nice(changed: list[tuple[int, int]]) -> None:
+    for tid, old in changed:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, old)
+        except OSError:
+            pass  # the thread is gone
+
+
+def engine_replica_pid() -> int:
+    """The local Engine replica's process (one engine replica: this app's)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"ServeReplica:lifecycle:Engine" in cmd:
+                return int(entry)
+    raise SystemExit("no Engine replica process found")
+
+
+async def burst(one: Any, streams: int, tokens: int, pid: int, tid: int) -> dict[str, float]:
+    texts = prompts(streams)
+    before = thread_counters(pid, tid)
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*[one(1000 + i, texts[i], tokens) for i in range(streams)])
+    wall = time.perf_counter() - t0
+    after = thread_counters(pid, tid)
+    total = sum(r["n"] for r in results)
+    assert total == streams * tokens, total
+    return {"wall_s": wall, "tok_s": total / wall, **{k: after[k] - before[k] for k in after}}
+
+
+async def run(a: argparse.Namespace, url: str) -> dict[str, list[dict[str, float]]]:
+    settings = EngineSettings(num_threads=a.threads, max_num_seqs=64, max_num_batched_tokens=512)
+    engine, inproc = await inproc_side(settings, load_tokenizer(EMBEDDED_MODEL))
+    sides: dict[str, list[dict[str, float]]] = {"in_process": [], "graph": []}
+    try:
+        async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
+            graph = graph_side(client, url)
+            await inproc(0, "warm up", 4)
+            # The replica's step thread: the one that gains the most CPU time over a short burst
+            # (its main thread has more in all, from loading the model).
+            pid = engine_replica_pid()
+            before = thread_cpu(pid)
+            await asyncio.gather(*[graph(i, text, 16) for i, text in enumerate(prompts(a.streams))])
+            after = thread_cpu(pid)
+            step_tid = max(after, key=lambda t: after[t] - before.get(t, 0.0))
+            where = {"in_process": (inproc, os.getpid(), engine._thread.native_id),
+                     "graph": (graph, pid, step_tid)}
+            names = ["in_process", "graph"]
+            if a.worker_nice is not None:
+                names.append(NICE_SIDE)
+                sides[NICE_SIDE] = []
+                where[NICE_SIDE] = where["graph"]
+            for i in range(a.pairs):
+                order = names[i % len(names):] + names[:i % len(names)]  # each side leads in turn
+                for side in order:
+                    one, p, t = where[side]
+                    changed = renice_ray_workers(a.worker_nice, keep=t) if side == NICE_SIDE else []
+                    try:
+                        res = await burst(one, a.streams, a.tokens, p, t)
+                    finally:
+                        restore_nice(changed)
+                    res["threads_reniced"] = float(len(changed))
+                    sides[side].append(res)
+                    print(f"pair {i} {side}: " + json.dumps({k: round(v, 2) for k, v in res.items()}), flush=True)
+    finally:
+        engine.shutdown()
+    return sides
+
+
+def summary(sides: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    ratios = [g["tok_s"] / p["tok_s"] for p, g in zip(sides["in_process"], sides["graph"], strict=True)]
+    med = {side: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for side, runs in sides.items()}
+    for m in med.values():
+        m["on_cpu_share_of_wall"] = m["on_cpu_s"] / m["wall_s"]
+    out: dict[str, Any] = {"graph_over_in_process_per_pair": [round(r, 3) for r in ratios],
+                           "graph_over_in_process_median": statistics.median(ratios),
+                           "step_thread_cpu_graph_over_in_process": med["graph"]["on_cpu_s"] / med["in_process"]["on_cpu_s"]}
+    if NICE_SIDE in sides:
+        nice = [g["tok_s"] / p["tok_s"] for p, g in zip(sides["in_process"], sides[NICE_SIDE], strict=True)]
+        out[f"{NICE_SIDE}_over_in_process_per_pair"] = [round(r, 3) for r in nice]
+        out[f"{NICE_SIDE}_over_in_process_median"] = statistics.median(nice)
+        out[f"step_thread_cpu_{NICE_SIDE}_over_in_process"] = med[NICE_SIDE]["on_cpu_s"] / med["in_process"]["on_cpu_s"]
+    return {**out, "medians": med}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pairs", type=int, default=8)
+    p.add_argument("--streams", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1, help="engine torch threads, both sides")
+    p.add_argument("--worker-nice", type=int, default=None,
+                   help="also run the graph with every Ray worker thread but the engine's step thread at this "
+                        "nice value (e.g. 15, what Ray gives a worker's Python threads), undone after each burst")
+    p.add_argument("--out", default="bench/results/burst_pairs.json")
+    a = p.parse_args()
+    env = machine()
+    print("machine:", env, flush=True)
+    settings = EngineSettings(num_threads=a.threads, max_num_seqs=64, max_num_batched_tokens=512)
+    app = ServeApp({"engine": settings.model_dump(), "http": {"keepalive_interval_s": 5.0}})
+    try:
+        sides = asyncio.run(run(a, app.url))
+    finally:
+        app.close()
+    out = {"args": vars(a), "machine": env, **summary(sides), "runs": sides}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: v for k, v in out.items() if k not in ("runs", "machine", "args")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

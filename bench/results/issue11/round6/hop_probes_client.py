@@ -1,0 +1,17 @@
+import asyncio, sys, time, json
+sys.path.insert(0, "/work/main")
+import httpx
+from bench.bench_graph import graph_side, prompts
+async def main():
+    url = open("/tmp/r6/url").read().strip()
+    async with httpx.AsyncClient(timeout=600) as client:
+        g = graph_side(client, url)
+        for i in range(3): await g(0, "warm up", 4)
+        out = []
+        for i, t in enumerate(prompts(20)):
+            t0 = time.monotonic()
+            r = await g(i, t, 8)
+            out.append({"t0": t0, "ttft": r["ttft"], "timing": r["timing"]})
+            await asyncio.sleep(0.05)
+        json.dump(out, open("/tmp/r6/idle_client.json", "w"))
+asyncio.run(main())
