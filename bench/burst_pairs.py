@@ -122,8 +122,7 @@ async def burst(one: Any, streams: int, tokens: int, pid: int, tid: int) -> dict
     return {"wall_s": wall, "tok_s": total / wall, **{k: after[k] - before[k] for k in after}}
 
 
-async def run(a: argparse.Namespace, url: str) -> dict[str, list[dict[str, float]]]:
-    settings = EngineSettings(num_threads=a.threads, max_num_seqs=64, max_num_batched_tokens=512)
+async def run(a: argparse.Namespace, settings: EngineSettings, url: str) -> dict[str, list[dict[str, float]]]:
     engine, inproc = await inproc_side(settings, load_tokenizer(EMBEDDED_MODEL))
     sides: dict[str, list[dict[str, float]]] = {"in_process": [], "graph": []}
     try:
@@ -193,7 +192,7 @@ def main() -> None:
     settings = EngineSettings(num_threads=a.threads, max_num_seqs=64, max_num_batched_tokens=512)
     app = ServeApp({"engine": settings.model_dump(), "http": {"keepalive_interval_s": 5.0}})
     try:
-        sides = asyncio.run(run(a, app.url))
+        sides = asyncio.run(run(a, settings, app.url))
     finally:
         app.close()
     out = {"args": vars(a), "machine": env, **summary(sides), "runs": sides}

@@ -50,12 +50,12 @@ from stages.ingress.tokens import TokenRoutes
 from stages.ingress.views import (
     PROBE_TIMEOUT_S,
     EngineLiveness,
-    app_metrics,
     health_problems,
+    metrics_page,
     report_metrics_forever,
 )
 from stages.liveness import own_actor_name, own_replica_id
-from stages.metrics import IngressMetrics, RequestRecord, render_app
+from stages.metrics import IngressMetrics, RequestRecord
 from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
 from stages.openai_fields import preprocess_fields, tool_parsing
 from stages.openai_format import TIMING_FIELD, server_timing_header
@@ -383,9 +383,8 @@ class Ingress:
         return JSONResponse({"status": "ok", "replica": self.replica})
 
     async def metrics_endpoint(self, request: Request) -> Response:
-        own = await asyncio.to_thread(self.metrics.exposition)  # off the loop, as in the reports
-        texts, engines = await app_metrics(self.directory, self.replica, own)
-        body, content_type = await asyncio.to_thread(render_app, self.served_name, texts, engines)
+        body, content_type = await metrics_page(self.directory, self.replica, self.metrics.exposition,
+                                                self.served_name)
         return PlainTextResponse(body, media_type=content_type)
 
     # -- other routes ---------------------------------------------------------------------------------

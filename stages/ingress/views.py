@@ -10,7 +10,10 @@ import asyncio
 import contextvars
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
+
+from stages.metrics import render_app
 
 logger = logging.getLogger("lifecycle.ingress")
 
@@ -62,6 +65,15 @@ async def report_metrics_forever(directory: Any, replica: str, exposition: Any) 
             await directory.report_ingress.remote(replica, text)
         except Exception as exc:  # noqa: BLE001 - the directory restarts; keep reporting
             logger.warning("metrics report to the directory failed: %r", exc)
+
+
+async def metrics_page(directory: Any, replica: str, exposition: Callable[[], str], model_name: str
+                       ) -> tuple[str, str]:
+    """The whole app's ``/metrics`` body and content type. Both renders run on a worker thread,
+    as in :func:`report_metrics_forever`, so a scrape does not stall the replica's streams."""
+    own = await asyncio.to_thread(exposition)
+    texts, engines = await app_metrics(directory, replica, own)
+    return await asyncio.to_thread(render_app, model_name, texts, engines)
 
 
 async def app_metrics(directory: Any, replica: str, own_text: str) -> tuple[dict[str, str], list[Any]]:
