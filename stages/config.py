@@ -151,6 +151,15 @@ class StructuredOutputSettings(_Strict):
     compile_threads: int = Field(2, ge=1)
 
 
+class PreprocessSettings(_Strict):
+    """Where requests are templated and tokenised (:mod:`stages.ingress.prep`)."""
+
+    #: A request whose input (message contents or prompt) is at most this many characters, with no
+    #: structured output and no tools, is prepared in the Ingress, saving the Preprocess stage's
+    #: round trip on its first token; larger or constrained ones go to the stage. 0: all to the stage.
+    inline_max_chars: int = Field(2048, ge=0)
+
+
 class AppConfig(_Strict):
     """Everything ``build_app`` needs."""
 
@@ -163,6 +172,7 @@ class AppConfig(_Strict):
     http: HttpSettings = Field(default_factory=HttpSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     structured_outputs: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
+    preprocess: PreprocessSettings = Field(default_factory=PreprocessSettings)
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:

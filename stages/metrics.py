@@ -87,9 +87,16 @@ class IngressMetrics:
         self.slow_readers = Counter(PREFIX + "slow_reader_aborts_total",
                                     "Streams aborted because the client stopped reading (stream buffer full).",
                                     labels, registry=reg)
+        self.prepared = Counter(PREFIX + "preprocess_requests_total",
+                                "Requests templated and tokenised, by where: the Ingress itself or the Preprocess stage.",
+                                labels + ["where"], registry=reg)
         self.grammar_compile = hist("grammar_compile_seconds",
                                     "Structured-output grammar compilation in Preprocess, by cache hit or miss.",
                                     _GRAMMAR_BUCKETS, ["cache"])
+
+    def observe_prep(self, where: str) -> None:
+        """Count a prepared request by where it was templated and tokenised (``ingress``/``stage``)."""
+        self.prepared.labels(self.model_name, where).inc()
 
     def observe_grammar(self, upstream_timings: dict[str, float]) -> None:
         """Record a request's grammar compilation (Preprocess put its time in the timings)."""

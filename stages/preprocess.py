@@ -166,6 +166,49 @@ def replica_cpus() -> int:
     return max(1, min(math.ceil(share), os.cpu_count() or 1))
 
 
+class ContextLimit:
+    """Keeps a :class:`Preprocessor`'s context length equal to the engines' own, as the Directory
+    reports it (after each engine capped it to its KV pool), asking at most every
+    :data:`LIMIT_REFRESH_S`. Without a directory the model's own length stands."""
+
+    def __init__(self, pre: Preprocessor, directory: Any = None) -> None:
+        self.pre = pre
+        self.directory = directory
+        self._checked = -LIMIT_REFRESH_S
+
+    async def refresh(self) -> None:
+        if self.directory is None or time.monotonic() - self._checked < LIMIT_REFRESH_S:
+            return
+        self._checked = time.monotonic()
+        try:
+            engines_len = await self.directory.max_model_len.remote()
+        except Exception:  # noqa: BLE001 - keep the last known limit while the directory restarts
+            return
+        if engines_len:
+            self.pre.max_model_len = engines_len
+
+
+def needs_stage(req: PreprocessRequest, inline_max_chars: int) -> bool:
+    """Whether ``req`` must go to the Preprocess stage rather than be prepared where it arrived:
+    an input over ``inline_max_chars`` (its cost grows with it, and the stage runs big ones off its
+    loop), a structured output or a forced tool call (grammars compile there, with their cache), or
+    tools (templating them is the heavy case)."""
+    return (inline_max_chars <= 0 or req.structured is not None or bool(req.tools)
+            or input_size(req.messages, req.prompt) > inline_max_chars)
+
+
+def process_traced(pre: Preprocessor, req: PreprocessRequest, **attributes: Any) -> EngineRequest:
+    """:meth:`Preprocessor.process` inside a ``preprocess`` span (child of the request's trace
+    context), with ``chat_template`` and ``tokenize`` children of their measured durations."""
+    with span_from_context(get_tracer(), "preprocess", req.trace_context,
+                           {"lifecycle.request_id": req.request_id, **attributes}) as span:
+        out = pre.process(req)
+        if span.is_recording():
+            span.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
+            _child_spans(span, out.upstream_timings, time.time_ns())
+        return out
+
+
 @serve.deployment(name="Preprocess", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
 class PreprocessDeployment:
     """CPU stage; scale it with ``num_replicas`` independently of the engine.
@@ -185,7 +228,7 @@ class PreprocessDeployment:
                                         GrammarLimits(**(structured_outputs or {})))
         self.grammars.warm_up()
         self.directory = directory
-        self._limit_checked = -LIMIT_REFRESH_S
+        self.limit = ContextLimit(self.pre, directory)
         self._pool = ThreadPoolExecutor(max_workers=replica_cpus(), thread_name_prefix="preprocess")
         # A pool thread doing Python-level work on a big input holds the GIL for up to the switch
         # interval (5 ms) each time this replica's event loop or gRPC's poller wants it back, and a
@@ -199,20 +242,12 @@ class PreprocessDeployment:
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
     async def _refresh_limit(self) -> None:
-        if self.directory is None or time.monotonic() - self._limit_checked < LIMIT_REFRESH_S:
-            return
-        self._limit_checked = time.monotonic()
-        try:
-            engines_len = await self.directory.max_model_len.remote()
-        except Exception:  # noqa: BLE001 - keep the last known limit while the directory restarts
-            return
-        if engines_len:
-            self.pre.max_model_len = engines_len
+        await self.limit.refresh()
 
     async def process(self, req: PreprocessRequest) -> EngineRequest:
         await self._refresh_limit()
         with span_from_context(get_tracer(), "preprocess", req.trace_context,
-                               {"lifecycle.request_id": req.request_id}) as span:
+                               {"lifecycle.request_id": req.request_id, "lifecycle.preprocess.where": "stage"}) as span:
             out = await self._run(input_size(req.messages, req.prompt), self.pre.process, req)
             tokenized_ns = time.time_ns()
             await compile_grammar(self.grammars, req, out)

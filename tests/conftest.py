@@ -57,6 +57,8 @@ FAULTS_ARGS: dict[str, Any] = {
                "fault_injection": True, "stall_timeout_s": 5.0},
     "http": {"max_body_bytes": 65536, "keepalive_interval_s": 0.5, "max_stream_buffer_bytes": 16384,
              "slow_reader_grace_s": 30.0},
+    # Every request through the Preprocess stage, whose replica these tests kill.
+    "preprocess": {"inline_max_chars": 0},
 }
 FAULTS_OPTIONS: dict[str, dict[str, Any]] = {
     "Ingress": {"ray_actor_options": {"num_cpus": 0.1}},

@@ -254,3 +254,23 @@ def test_log_line_for_error_and_client_gone_outcomes(serve_app: ServeApp):
     assert bad_record["outcome"] == "error" and bad_record["status"] == 400
     [gone_record] = _log_records(serve_app, gone)
     assert gone_record["outcome"] == "client_gone"
+
+
+def test_short_requests_are_prepared_in_the_ingress_long_ones_in_the_stage(serve_app: ServeApp):
+    """The ``preprocess`` span says where a request was templated and tokenised, and its process
+    agrees: a short chat in the Ingress, one over ``preprocess.inline_max_chars`` in Preprocess.
+    The counter by ``where`` moves the same way."""
+    before = _metrics(serve_app)
+    seen = {}
+    for where, content in (("ingress", "Name a colour."), ("stage", "colour " * 400)):
+        rid = f"where-{where}-{uuid.uuid4().hex[:8]}"
+        assert _chat(serve_app, rid, content=content, max_tokens=2).status_code == 200
+        _, spans = _wait_for_trace(serve_app, rid, REQUIRED_SPANS)
+        prep = next(s for s in spans if s.name == "preprocess")
+        seen[where] = (prep.attributes.get("lifecycle.preprocess.where"), prep.resource.get("lifecycle.component"))
+        assert {"chat_template", "tokenize"} <= {s.name for s in spans if s.parent_span_id == prep.span_id}
+    assert seen == {"ingress": ("ingress", "ingress"), "stage": ("stage", "preprocess")}
+    after = _metrics(serve_app)
+    for where in ("ingress", "stage"):
+        assert (_value(after, "lifecycle:preprocess_requests_total", where=where)
+                - _value(before, "lifecycle:preprocess_requests_total", where=where)) == 1, where

@@ -45,6 +45,7 @@ from stages.ingress.errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
 from stages.ingress.limits import cap_max_tokens, check_max_tokens
 from stages.ingress.openapi import build_openapi
+from stages.ingress.prep import Prep
 from stages.ingress.sse import first_item, relay, sse_response
 from stages.ingress.tokens import TokenRoutes
 from stages.ingress.views import (
@@ -116,15 +117,17 @@ class Ingress:
         if self.api_keys is not None:
             logger.info("API keys on: %d key(s); no key needed for %s", len(self.api_keys),
                         sorted(self.api_keys.exempt_paths) or "nothing")
+        self.served_name = self.served_name_of(self.cfg)
+        self.metrics = IngressMetrics(self.served_name)
         self.preprocess = preprocess
+        # Small plain requests are templated and tokenised here, the rest in the Preprocess stage.
+        self.prep = Prep(preprocess, self.cfg.model, self.cfg.engine.max_model_len, directory,
+                         self.cfg.preprocess.inline_max_chars, self.metrics.observe_prep)
         self.token_routes = TokenRoutes(preprocess.options(stream=True), self._read_body, self._check_model)
         self.egress_stream = egress.options(stream=True)
         self.egress = egress
         self.engine = engine
         self.directory = directory
-        self.served_name = self.cfg.served_model_name or (
-            EMBEDDED_SERVED_NAME if self.cfg.model == EMBEDDED_MODEL else self.cfg.model.rstrip("/").split("/")[-1])
-        self.metrics = IngressMetrics(self.served_name)
         self.created = int(time.time())
         self.replica = own_replica_id()
         self.actor_name = own_actor_name()  # Egress ends our streams if this replica dies
@@ -138,6 +141,12 @@ class Ingress:
             self._background = [asyncio.create_task(self.lifecycle.watch_forever()),
                                 asyncio.create_task(report_metrics_forever(directory, self.replica,
                                                                            self.metrics.exposition))]
+
+    @staticmethod
+    def served_name_of(cfg: AppConfig) -> str:
+        """The model name clients use: the configured one, else the model's own short name."""
+        return cfg.served_model_name or (
+            EMBEDDED_SERVED_NAME if cfg.model == EMBEDDED_MODEL else cfg.model.rstrip("/").split("/")[-1])
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [
@@ -233,7 +242,7 @@ class Ingress:
                 n=req.n,
                 **preprocess_fields(req),  # structured outputs, tools, bad_words
             )
-            engine_request = cap_max_tokens(await self.preprocess.process.remote(pre), self.cfg.http.max_tokens_limit)
+            engine_request = cap_max_tokens(await self.prep.process(pre), self.cfg.http.max_tokens_limit)
             live.prep = time.perf_counter() - t_arrival
             self.metrics.observe_grammar(engine_request.upstream_timings)
             live.prompt_text = engine_request.prompt_text

@@ -1,0 +1,57 @@
+"""Where a request is templated and tokenised: in the Ingress itself when it is small and plain,
+in the Preprocess stage otherwise.
+
+Each new Serve call on the first token's path costs 2.6-3.4 ms here, and the Preprocess round trip
+(call, reply) ~4.5 ms, for ~0.5 ms of work on a short chat (BENCHMARKS, issue 11 round 6). A short
+plain request is therefore prepared on the Ingress's own loop, with the same :class:`Preprocessor`
+and the same checks, span and timings as in the stage. What stays in the stage is what it exists
+for: inputs whose cost grows with their size (the stage runs big ones off its loop and scales on
+them), grammar compilation with its cache, and tool templating. ``preprocess.inline_max_chars: 0``
+sends everything to the stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stages.preprocess import ContextLimit, Preprocessor, needs_stage, process_traced
+from stages.protocol import EngineRequest, PreprocessRequest
+
+#: Span attribute naming where a request was prepared.
+WHERE_ATTRIBUTE = "lifecycle.preprocess.where"
+
+
+class Prep:
+    """Prepares requests inline or through the Preprocess stage's handle (see the module doc)."""
+
+    def __init__(self, stage: Any, model: str, max_model_len: int, directory: Any, inline_max_chars: int,
+                 on_prepared: Any = None) -> None:
+        self.stage = stage
+        self.inline_max_chars = inline_max_chars
+        #: Called with ``"ingress"`` or ``"stage"`` once per prepared request (a metric).
+        self.on_prepared = on_prepared
+        self.pre: Preprocessor | None = None
+        self.limit: ContextLimit | None = None
+        if inline_max_chars > 0:
+            self.pre = Preprocessor(model, max_model_len or None)
+            self.limit = ContextLimit(self.pre, directory)
+
+    def inline(self, req: PreprocessRequest) -> bool:
+        """Whether ``req`` is prepared here."""
+        return self.pre is not None and not needs_stage(req, self.inline_max_chars)
+
+    async def process(self, req: PreprocessRequest) -> EngineRequest:
+        """The engine request for ``req``; errors are the stage's own (400s for the client)."""
+        if not self.inline(req):
+            out: EngineRequest = await self.stage.process.remote(req)
+            self._count("stage")
+            return out
+        assert self.pre is not None and self.limit is not None
+        await self.limit.refresh()
+        out = process_traced(self.pre, req, **{WHERE_ATTRIBUTE: "ingress"})
+        self._count("ingress")
+        return out
+
+    def _count(self, where: str) -> None:
+        if self.on_prepared is not None:
+            self.on_prepared(where)
