@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -205,7 +206,7 @@ def test_close_is_exactly_once_and_directory_sync_is_batched_and_ordered():
     async def main() -> tuple[FakeDirectory, list[str]]:
         directory = FakeDirectory()
         closes: list[str] = []
-        lc = Lifecycle("a", directory=directory, on_close=lambda live, s, t: closes.append(live.request_id))
+        lc = Lifecycle("a", directory=directory, sync_delay_s=0, on_close=lambda live, s, t: closes.append(live.request_id))
         first = lc.open("chat", FakeSpan())
         await asyncio.sleep(0.01)  # the first flush goes out (a full sync)
         many = [lc.open("chat", FakeSpan()) for _ in range(5)]
@@ -261,7 +262,7 @@ def test_a_request_cancelled_by_serve_still_leaves_the_directory():
 
     async def main() -> tuple[ServeLikeDirectory, int]:
         directory = ServeLikeDirectory()
-        lc = Lifecycle("a", directory=directory)
+        lc = Lifecycle("a", directory=directory, sync_delay_s=0)
         live = lc.open("chat", FakeSpan())
         await asyncio.sleep(0.05)  # registered
 
@@ -292,7 +293,7 @@ def test_a_sync_cancelled_under_the_flusher_is_resent_as_a_full_sync():
             await plain_sync(*args)
 
         directory.sync.remote = flaky
-        lc = Lifecycle("a", directory=directory)
+        lc = Lifecycle("a", directory=directory, sync_delay_s=0)
         live = lc.open("chat", FakeSpan())
         await asyncio.sleep(0.01)
         lc.close(live, "ok")
@@ -328,8 +329,8 @@ def test_cancel_before_the_engine_has_it_is_applied_when_it_starts():
 def test_cancel_by_label_reaches_other_replicas_through_the_directory():
     async def main() -> tuple[list[Any], list[Any]]:
         directory = FakeDirectory()
-        here = Lifecycle("a", directory=directory)
-        there = Lifecycle("b", directory=directory)
+        here = Lifecycle("a", directory=directory, sync_delay_s=0)
+        there = Lifecycle("b", directory=directory, sync_delay_s=0)
         mine = here.open("chat", FakeSpan(), client_request_id="shared")
         theirs = there.open("chat", FakeSpan(), client_request_id="shared")
         await asyncio.sleep(0.01)
@@ -369,3 +370,55 @@ def test_heartbeats_between_events_are_invisible_to_the_official_client():
                 break  # where the client stops reading
     assert [e.id for e in events] == [str(i) for i in range(len(events))]
     assert all(e.data for e in events) and events[-1].data == "[DONE]"
+
+
+def test_the_directory_sync_waits_its_delay_and_batches_what_changed_meanwhile():
+    """No sync call goes out right after a request opens (it would share the loop with that
+    request's Egress call); one call after the delay carries every change made meanwhile, and a
+    request opened and closed within it is never sent at all."""
+
+    async def main() -> tuple[list[Any], list[Any], FakeDirectory]:
+        directory = FakeDirectory()
+        lc = Lifecycle("a", directory=directory, sync_delay_s=0.05)
+        first = lc.open("chat", FakeSpan())
+        await asyncio.sleep(0.01)
+        early = list(directory.calls)
+        second = lc.open("chat", FakeSpan())
+        brief = lc.open("chat", FakeSpan())
+        lc.close(brief, "ok")
+        await asyncio.sleep(0.08)
+        after_delay = list(directory.calls)
+        lc.close(first, "ok")
+        lc.close(second, "ok")
+        await asyncio.sleep(0.08)
+        return early, after_delay, directory
+
+    early, after_delay, directory = asyncio.run(main())
+    assert early == []
+    assert len(after_delay) == 1 and after_delay[0][2] is True and len(after_delay[0][0]) == 2
+    assert len(directory.calls) == 2 and directory.entries == {}
+
+
+def test_a_finished_request_leaves_the_directory_without_waiting_the_delay():
+    """So a cancel of a request that has just finished is a 404 on every replica."""
+
+    async def main() -> tuple[FakeDirectory, float]:
+        directory = FakeDirectory()
+        lc = Lifecycle("a", directory=directory, sync_delay_s=0.3)
+        live = lc.open("chat", FakeSpan())
+        await asyncio.sleep(0.4)
+        assert live.request_id in directory.entries
+        other = lc.open("chat", FakeSpan())  # its add waits out the delay...
+        await asyncio.sleep(0.005)
+        t0 = time.perf_counter()
+        lc.close(live, "ok")  # ...but this removal ends the wait
+        while live.request_id in directory.entries:
+            await asyncio.sleep(0.001)
+        gone_in = time.perf_counter() - t0
+        lc.close(other, "ok")
+        await asyncio.sleep(0.4)
+        return directory, gone_in
+
+    directory, gone_in = asyncio.run(main())
+    assert gone_in < 0.15, gone_in
+    assert directory.entries == {}

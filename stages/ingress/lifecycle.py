@@ -127,13 +127,24 @@ AbortFn = Callable[[AbortRequest], Coroutine[Any, Any, None]]
 CloseHook = Callable[[LiveRequest, Any, "dict[str, float] | None"], None]
 
 
+#: Seconds the directory sync waits after the first change before it goes out. A sync is a Serve
+#: call on this replica's loop; sent at once, it went out between a request's arrival and its Egress
+#: call, and that call left 1.5 ms later (hop probes, BENCHMARKS round 7). Waiting puts it in the
+#: idle time of the prefill, and batches everything that changed meanwhile into one call. A cancel
+#: by id sent to another replica within this long of the request's arrival may not find it yet.
+#: Removals do not wait (:meth:`Lifecycle._pause`).
+SYNC_DELAY_S = 0.02
+
+
 class Lifecycle:
     """The live-request registry of one Ingress replica, kept in sync with the app's directory."""
 
     def __init__(self, owner: str, *, directory: Any = None, abort: AbortFn | None = None,
-                 on_close: CloseHook | None = None) -> None:
+                 on_close: CloseHook | None = None, sync_delay_s: float = SYNC_DELAY_S) -> None:
         self.owner = owner
         self.directory = directory
+        self.sync_delay_s = sync_delay_s
+        self._removal = asyncio.Event()
         self.abort = abort
         self.on_close = on_close
         self.live: dict[str, LiveRequest] = {}
@@ -175,6 +186,7 @@ class Lifecycle:
         self.live.pop(live.request_id, None)
         if self._added.pop(live.request_id, None) is None:
             self._removed.append(live.request_id)
+            self._removal.set()
             self._schedule_flush()
         if self.on_close is not None:
             try:
@@ -230,6 +242,9 @@ class Lifecycle:
         """One sync call at a time, in order, each carrying everything that accumulated."""
         try:
             while self._added or self._removed or self._resync:
+                await self._pause()
+                if not (self._added or self._removed or self._resync):
+                    break  # opened and closed meanwhile: nothing to tell
                 full, self._resync = self._resync, False
                 if full:
                     added = [live.entry(self.owner) for live in self.live.values()]
@@ -251,6 +266,17 @@ class Lifecycle:
                     await asyncio.sleep(1.0)
         finally:
             self._flushing = False
+
+    async def _pause(self) -> None:
+        """Wait out :attr:`sync_delay_s` before a sync of new entries. A removal ends the wait: a
+        finished request leaves the directory at once, so a cancel of its id is a 404 everywhere."""
+        if self.sync_delay_s <= 0 or self._removed:
+            return
+        self._removal.clear()
+        try:
+            await asyncio.wait_for(self._removal.wait(), self.sync_delay_s)
+        except TimeoutError:
+            pass
 
     async def watch_forever(self) -> None:
         """Long-poll the directory for cancels of requests this replica owns."""
