@@ -43,16 +43,20 @@ def prompts(n: int) -> list[str]:
 async def inproc_one(engine: Any, rid: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     ttft, times, n = None, [], 0
+    engine_timings: dict[str, float] = {}
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     async for outs in engine.generate(EngineRequest(rid, ids, params)):
         for out in outs:  # one item: every choice's output since the last one (here one choice)
+            engine_timings.update(out.timings)
             if out.new_token_ids:
                 now = time.perf_counter()
                 ttft = ttft if ttft is not None else now - t0
                 # A coalesced item carries several tokens: spread its gap evenly over them.
                 times.extend([now] * len(out.new_token_ids))
                 n += len(out.new_token_ids)
-    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "times": times, "n": n}
+    # The engine's own queue and prefill, in ms like the graph's Server-Timing parts.
+    timing = {k: engine_timings[k] * 1e3 for k in ("queue", "prefill") if k in engine_timings}
+    return {"ttft": ttft, "e2e": time.perf_counter() - t0, "times": times, "n": n, "timing": timing}
 
 
 async def inproc_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]:
@@ -100,6 +104,11 @@ async def _suite(one: Any, a: argparse.Namespace) -> dict[str, Any]:
         parts = {f"idle_{k}_p50_ms": statistics.median(r["timing"].get(k, 0.0) for r in idle)
                  for k in ("prep", "hops", "queue", "prefill", "first_flush", "ttft")}
         parts["idle_unexplained_p50_ms"] = statistics.median(r["ttft"] * 1e3 - r["timing"]["ttft"] for r in idle)
+    # TTFT less the engine's own queue and prefill, on both sides: what the path around the engine
+    # adds, without the prefill step's own noise (36-44 ms from one idle request to the next here).
+    if all({"queue", "prefill"} <= set(r.get("timing", {})) for r in idle):
+        parts["idle_beyond_engine_p50_ms"] = statistics.median(
+            r["ttft"] * 1e3 - r["timing"]["queue"] - r["timing"]["prefill"] for r in idle)
     return {**parts,
         "idle_ttft_p50_ms": pct([r["ttft"] for r in idle], 50) * 1e3,
         "idle_ttft_p95_ms": pct([r["ttft"] for r in idle], 95) * 1e3,
@@ -210,8 +219,11 @@ def main() -> None:
             f"throughput_ratio_{n}": g[f"tok_s_{n}"] / inproc[f"tok_s_{n}"],
             "throughput_ratio_1": g["tok_s_1"] / inproc["tok_s_1"],
             "idle_ttft_added_ms_p50": g["idle_ttft_p50_ms"] - inproc["idle_ttft_p50_ms"],
+            "idle_beyond_engine_added_ms_p50": g["idle_beyond_engine_p50_ms"] - inproc["idle_beyond_engine_p50_ms"],
             f"per_round_throughput_ratio_{n}": per_round(lambda i, x: x[f"tok_s_{n}"] / i[f"tok_s_{n}"]),
             "per_round_idle_ttft_added_ms": per_round(lambda i, x: x["idle_ttft_p50_ms"] - i["idle_ttft_p50_ms"]),
+            "per_round_idle_beyond_engine_added_ms": per_round(
+                lambda i, x: x["idle_beyond_engine_p50_ms"] - i["idle_beyond_engine_p50_ms"]),
         }
 
     ratios = ratios_of("graph")
