@@ -166,6 +166,10 @@ def replica_cpus() -> int:
     return max(1, min(math.ceil(share), os.cpu_count() or 1))
 
 
+#: Span attribute of ``preprocess``: where the request was prepared, ``ingress`` or ``stage``.
+WHERE_ATTRIBUTE = "lifecycle.preprocess.where"
+
+
 class ContextLimit:
     """Keeps a :class:`Preprocessor`'s context length equal to the engines' own, as the Directory
     reports it (after each engine capped it to its KV pool), asking at most every
@@ -247,7 +251,7 @@ class PreprocessDeployment:
     async def process(self, req: PreprocessRequest) -> EngineRequest:
         await self._refresh_limit()
         with span_from_context(get_tracer(), "preprocess", req.trace_context,
-                               {"lifecycle.request_id": req.request_id, "lifecycle.preprocess.where": "stage"}) as span:
+                               {"lifecycle.request_id": req.request_id, WHERE_ATTRIBUTE: "stage"}) as span:
             out = await self._run(input_size(req.messages, req.prompt), self.pre.process, req)
             tokenized_ns = time.time_ns()
             await compile_grammar(self.grammars, req, out)

@@ -14,11 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stages.preprocess import ContextLimit, Preprocessor, needs_stage, process_traced
+from stages.preprocess import WHERE_ATTRIBUTE, ContextLimit, Preprocessor, needs_stage, process_traced
 from stages.protocol import EngineRequest, PreprocessRequest
-
-#: Span attribute naming where a request was prepared.
-WHERE_ATTRIBUTE = "lifecycle.preprocess.where"
 
 
 class Prep:
