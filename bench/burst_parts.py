@@ -7,7 +7,9 @@ which goes first).
     .venv/bin/python bench/burst_parts.py --url "$(cat /tmp/url)" --variant-url "$(cat /tmp/url)/variant"
 
 Each part's p50 and p95 is taken within a burst; the table gives the median of those over the
-bursts (machines here are noisy: one burst can be 20% off the next).
+bursts (machines here are noisy: one burst's prefill step can be 40% off the next), and
+``beyond_engine`` is each request's client TTFT less the engine's own queue and prefill: what the
+path around the engine added.
 """
 
 from __future__ import annotations
@@ -48,6 +50,11 @@ async def burst(url: str, n: int, max_tokens: int, tag: int) -> dict[str, float]
         out[f"{part}_p50"], out[f"{part}_p95"] = pct(values, 50), pct(values, 95)
     ttfts = [r.ttft * 1e3 for r in recs]
     out["client_ttft_p50"], out["client_ttft_p95"] = pct(ttfts, 50), pct(ttfts, 95)
+    # What the path around the engine added to each request (the prefill step's own time swings by
+    # 40% from one burst to the next here, and queue + prefill carry it).
+    beyond = [r.ttft * 1e3 - r.server_timing.get("queue", 0.0) - r.server_timing.get("prefill", 0.0)
+              for r in recs if r.server_timing]
+    out["beyond_engine_p50"], out["beyond_engine_p95"] = pct(beyond, 50), pct(beyond, 95)
     return out
 
 
@@ -84,7 +91,7 @@ def main() -> None:
     print(f"\n| ms, median of {a.bursts} bursts of {a.streams} | " + " | ".join(
         f"{s} p50 | {s} p95" for s in sides) + " |")
     print("|---|" + "---|---|" * len(sides))
-    for part in (*PARTS, "client_ttft"):
+    for part in (*PARTS, "client_ttft", "beyond_engine"):
         cells = " | ".join(f"{result['medians'][s][part + '_p50']:.1f} | {result['medians'][s][part + '_p95']:.1f}"
                            for s in sides)
         print(f"| {part} | {cells} |")
