@@ -137,6 +137,8 @@ class Preprocessor:
 
 #: Seconds Preprocess trusts its copy of the engines' context length before asking again.
 LIMIT_REFRESH_S = 5.0
+#: Seconds a refresh may wait for the Directory before the last known length is kept.
+LIMIT_TIMEOUT_S = 1.0
 #: The GIL switch interval of a Preprocess replica (CPython's default is 5 ms).
 PREPROCESS_SWITCH_INTERVAL_S = 0.0005
 #: Inputs up to this many characters (or token ids) are prepared inline on the event loop: about a
@@ -185,7 +187,9 @@ class ContextLimit:
             return
         self._checked = time.monotonic()
         try:
-            engines_len = await self.directory.max_model_len.remote()
+            # Bounded: a request waits on this (once per refresh), and a restarting directory
+            # must not hold it up.
+            engines_len = await asyncio.wait_for(self.directory.max_model_len.remote(), LIMIT_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - keep the last known limit while the directory restarts
             return
         if engines_len:

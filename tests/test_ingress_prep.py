@@ -110,3 +110,20 @@ def test_the_engines_context_length_applies_inline(reference: Preprocessor) -> N
                                        messages=[{"role": "user", "content": "Name a colour."}]))
     assert out.sampling_params.max_tokens == 40 - n  # the room the engines' length leaves
     assert stage.got == []
+
+
+def test_a_directory_that_does_not_answer_keeps_the_last_known_length(reference: Preprocessor) -> None:
+    """The refresh is on the request's path: a restarting directory must not hold requests up."""
+
+    class SilentDirectory:
+        max_model_len = _Call(lambda: asyncio.sleep(3600))
+
+    from stages import preprocess
+
+    prep = Prep(FakeStage(reference), EMBEDDED_MODEL, 0, SilentDirectory(), LIMIT)
+    saved, preprocess.LIMIT_TIMEOUT_S = preprocess.LIMIT_TIMEOUT_S, 0.05
+    try:  # (bounded here too: without the fix this would wait an hour)
+        out = asyncio.run(asyncio.wait_for(prep.process(_chat("a", "hi")), 5))
+    finally:
+        preprocess.LIMIT_TIMEOUT_S = saved
+    assert out.prompt_token_ids == reference.process(_chat("a", "hi")).prompt_token_ids
