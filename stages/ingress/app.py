@@ -1,7 +1,8 @@
 """Ingress stage: the OpenAI-compatible HTTP API (Starlette inside a Ray Serve deployment).
 
 Routes are thin: parse and validate, open the request's life (:mod:`.lifecycle`: minted id, trace,
-registry), call Preprocess (unary) then Egress (a typed stream), answer with JSON or relay SSE
+registry), prepare the request (here when short and plain, else through Preprocess: :mod:`.prep`),
+call Egress (a typed stream), answer with JSON or relay SSE
 (:mod:`.sse`). Every exception becomes HTTP in :mod:`.errors`, and every request, whatever its
 outcome, ends in :meth:`Lifecycle.close`, which writes its one log line.
 
@@ -117,7 +118,8 @@ class Ingress:
         if self.api_keys is not None:
             logger.info("API keys on: %d key(s); no key needed for %s", len(self.api_keys),
                         sorted(self.api_keys.exempt_paths) or "nothing")
-        self.served_name = self.served_name_of(self.cfg)
+        self.served_name = self.cfg.served_model_name or (
+            EMBEDDED_SERVED_NAME if self.cfg.model == EMBEDDED_MODEL else self.cfg.model.rstrip("/").split("/")[-1])
         self.metrics = IngressMetrics(self.served_name)
         self.preprocess = preprocess
         # Small plain requests are templated and tokenised here, the rest in the Preprocess stage.
@@ -141,12 +143,6 @@ class Ingress:
             self._background = [asyncio.create_task(self.lifecycle.watch_forever()),
                                 asyncio.create_task(report_metrics_forever(directory, self.replica,
                                                                            self.metrics.exposition))]
-
-    @staticmethod
-    def served_name_of(cfg: AppConfig) -> str:
-        """The model name clients use: the configured one, else the model's own short name."""
-        return cfg.served_model_name or (
-            EMBEDDED_SERVED_NAME if cfg.model == EMBEDDED_MODEL else cfg.model.rstrip("/").split("/")[-1])
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [
