@@ -205,16 +205,19 @@ def needs_stage(req: PreprocessRequest, inline_max_chars: int) -> bool:
             or input_size(req.messages, req.prompt) > inline_max_chars)
 
 
-def process_traced(pre: Preprocessor, req: PreprocessRequest, **attributes: Any) -> EngineRequest:
-    """:meth:`Preprocessor.process` inside a ``preprocess`` span (child of the request's trace
-    context), with ``chat_template`` and ``tokenize`` children of their measured durations."""
-    with span_from_context(get_tracer(), "preprocess", req.trace_context,
-                           {"lifecycle.request_id": req.request_id, **attributes}) as span:
-        out = pre.process(req)
-        if span.is_recording():
-            span.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
-            _child_spans(span, out.upstream_timings, time.time_ns())
-        return out
+def preprocess_span(req: PreprocessRequest, where: str) -> Any:
+    """The request's ``preprocess`` span (a child of its trace context), made current; ``where``
+    says which process prepared it (``ingress`` or ``stage``)."""
+    return span_from_context(get_tracer(), "preprocess", req.trace_context,
+                             {"lifecycle.request_id": req.request_id, WHERE_ATTRIBUTE: where})
+
+
+def annotate_prepared(span: Any, out: EngineRequest, tokenized_ns: int) -> None:
+    """Put the prompt's length on ``span``, and template and tokenise under it as child spans of
+    their measured durations, ending when tokenising did."""
+    span.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
+    if span.is_recording():
+        _child_spans(span, out.upstream_timings, tokenized_ns)
 
 
 @serve.deployment(name="Preprocess", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
@@ -235,7 +238,6 @@ class PreprocessDeployment:
         self.grammars = GrammarCompiler(self.pre.tokenizer, self.pre.model_vocab_size, self.pre.eos_token_ids,
                                         GrammarLimits(**(structured_outputs or {})))
         self.grammars.warm_up()
-        self.directory = directory
         self.limit = ContextLimit(self.pre, directory)
         self._pool = ThreadPoolExecutor(max_workers=replica_cpus(), thread_name_prefix="preprocess")
         # A pool thread doing Python-level work on a big input holds the GIL for up to the switch
@@ -249,20 +251,13 @@ class PreprocessDeployment:
             return fn(*args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
-    async def _refresh_limit(self) -> None:
-        await self.limit.refresh()
-
     async def process(self, req: PreprocessRequest) -> EngineRequest:
-        await self._refresh_limit()
-        with span_from_context(get_tracer(), "preprocess", req.trace_context,
-                               {"lifecycle.request_id": req.request_id, WHERE_ATTRIBUTE: "stage"}) as span:
+        await self.limit.refresh()
+        with preprocess_span(req, "stage") as span:
             out = await self._run(input_size(req.messages, req.prompt), self.pre.process, req)
             tokenized_ns = time.time_ns()
             await compile_grammar(self.grammars, req, out)
-            span.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
-            # Template and tokenise as child spans with their measured durations.
-            if span.is_recording():
-                _child_spans(span, out.upstream_timings, tokenized_ns)
+            annotate_prepared(span, out, tokenized_ns)
             return out
 
     async def ping(self) -> bool:
@@ -271,7 +266,7 @@ class PreprocessDeployment:
 
     async def tokenize(self, body: dict[str, Any]) -> AsyncIterator[ReplyPart]:
         """``/tokenize``, as a stream of bounded parts (a big prompt's reply is bigger than one message)."""
-        await self._refresh_limit()
+        await self.limit.refresh()
         parts = await self._run(input_size(body.get("messages"), body.get("prompt")),
                                 lambda: list(split_reply(self.pre.tokenize(**body))))
         for part in parts:

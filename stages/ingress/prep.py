@@ -12,9 +12,11 @@ sends everything to the stage.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
-from stages.preprocess import WHERE_ATTRIBUTE, ContextLimit, Preprocessor, needs_stage, process_traced
+from stages.preprocess import ContextLimit, Preprocessor, annotate_prepared, needs_stage, preprocess_span
 from stages.protocol import EngineRequest, PreprocessRequest
 
 
@@ -22,7 +24,7 @@ class Prep:
     """Prepares requests inline or through the Preprocess stage's handle (see the module doc)."""
 
     def __init__(self, stage: Any, model: str, max_model_len: int, directory: Any, inline_max_chars: int,
-                 on_prepared: Any = None) -> None:
+                 on_prepared: Callable[[str], None] | None = None) -> None:
         self.stage = stage
         self.inline_max_chars = inline_max_chars
         #: Called with ``"ingress"`` or ``"stage"`` once per prepared request (a metric).
@@ -45,7 +47,9 @@ class Prep:
             return out
         assert self.pre is not None and self.limit is not None
         await self.limit.refresh()
-        out = process_traced(self.pre, req, **{WHERE_ATTRIBUTE: "ingress"})
+        with preprocess_span(req, "ingress") as span:
+            out = self.pre.process(req)
+            annotate_prepared(span, out, time.time_ns())
         self._count("ingress")
         return out
 
