@@ -35,8 +35,29 @@ def test_activation_rounding_is_absmax_int8_per_block():
     assert torch.equal(qx[1, :GROUP], torch.zeros(GROUP, dtype=torch.int8))
 
 
+def test_activation_rounding_is_exactly_round_half_even_of_x_over_scale():
+    """The vectorised and the scalar quantisation must both be ``rint(x * (1 / d))`` in float32,
+    ties to even: a tie-heavy input (multiples of d/2) pins that down exactly."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 128, generator=g)
+    x[0, :32] = torch.arange(-16, 16) * 0.5            # amax 8: d = 8/127
+    x[1, :32] = torch.arange(32) - 15.5                 # d = 1 exactly below: every value a tie
+    x[1, 0] = 127.0
+    x[2, 32:64] = 0.0
+    qx, dx = kernel.quantize_activations(x)
+    xb = x.view(5, 4, GROUP).numpy()
+    d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    want = np.rint(xb * inv[..., None]).astype(np.int8).reshape(5, 128)
+    assert np.array_equal(qx.numpy(), want)
+    assert np.array_equal(dx.numpy(), d)
+    assert qx[1, 1:4].tolist() == [-14, -14, -12]  # -14.5, -13.5, -12.5: ties go to even
+
+
 @pytest.mark.parametrize("n,k", [(96, 64), (40, 1536), (7, 32)])  # 40 and 7: padded tiles
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+# The kernel runs rows 4 at a time, then 2, then 1, against pairs of tiles then a last single tile
+# (40 outputs: 3 tiles); these row counts reach every combination.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 11, 33])
 def test_q4_1_matches_dequantised_weights_times_rounded_activations(n, k, rows):
     g = torch.Generator().manual_seed(n * 100 + rows)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)

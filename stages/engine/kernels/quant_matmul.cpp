@@ -16,6 +16,10 @@
 // activations broadcast to all lanes: AVX512-VNNI's vpdpbusd where the CPU has it, AVX2's
 // maddubs/madd otherwise, plain C without AVX2. Built with -march=native for the machine at hand
 // (see __init__.py); accumulation is int32 within a block and float32 across blocks.
+//
+// With AVX-512, one kernel call covers 4 activation rows against 2 tiles, so each broadcast feeds
+// two dot products, and the activations are quantised with vector code: scalar, that rounding was
+// a quarter of a 32-row matmul's time. The arithmetic per block is unchanged (bit-identical output).
 
 #include <immintrin.h>
 
@@ -62,7 +66,8 @@ struct Activations {
   std::vector<int32_t> qs;   // [rows][k/32]: sum(qx)
 };
 
-// Activations to int8 blocks (thread-local scratch, reused across calls).
+// Activations to int8 blocks (thread-local scratch, reused across calls). Rounding is to nearest,
+// ties to even, in both paths (nearbyint and cvtps2dq under the default MXCSR), so they agree bit for bit.
 Activations& quantize(const float* x, int rows, int64_t k) {
   thread_local Activations a;
   const int64_t nb = k / QK;
@@ -72,6 +77,17 @@ Activations& quantize(const float* x, int rows, int64_t k) {
   a.qs.resize(static_cast<size_t>(rows) * nb);
   for (int64_t rb = 0; rb < rows * nb; ++rb) {
     const float* xb = x + rb * QK;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    // One block is two vectors: no per-element scalar work (this ran at ~4 ns an element before).
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m512 iv = _mm512_set1_ps(inv);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, iv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, iv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.qx.data() + rb * QK), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a.qx.data() + rb * QK + 16), _mm512_cvtsepi32_epi8(q1));
+    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
     float amax = 0.0f;
     for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
     const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
@@ -81,6 +97,7 @@ Activations& quantize(const float* x, int rows, int64_t k) {
       a.qx[rb * QK + i] = static_cast<int8_t>(q);
       sum += q;
     }
+#endif
     a.dx[rb] = d;
     a.sx[rb] = d * static_cast<float>(sum);
     a.qs[rb] = sum;
@@ -96,49 +113,77 @@ inline int32_t group4(const int8_t* p) {
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define LIFECYCLE_QUANT_ISA 3
-// RN activation rows against one tile (16 output rows), all blocks.
-template <int RN, bool Q4>
+#define LIFECYCLE_MULTI_TILE 1
+// RN activation rows against T consecutive tiles (16*T output rows), all blocks. Each broadcast group
+// of four activations feeds T dot products: broadcasts, not dot products, bounded the one-tile
+// version (measured: with them taken out it ran 2.7x faster on Zen). The int32 sums of a block are
+// scaled into float accumulators once per block, as the per-block scales require.
+template <int RN, int T, bool Q4>
 void tile(const Activations& a, int64_t row0, int64_t k, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
-          int64_t t, float* out, int64_t out_stride, int64_t n_valid) {
+          int64_t t0, float* out, int64_t out_stride, int64_t n) {
   const int64_t nb = k / QK;
   constexpr int CHUNKS = Q4 ? 4 : 8;
-  __m512 acc[RN];
-  for (int r = 0; r < RN; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[RN][T];
+  for (int r = 0; r < RN; ++r)
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
   const __m512i nib = _mm512_set1_epi8(0x0f), bias128 = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t tb = t * nb + b;
-    const uint8_t* chunk = wq + tb * CHUNKS * 64;
-    __m512i w[8];
+    const int8_t* xb[RN];
+    for (int r = 0; r < RN; ++r) xb[r] = a.qx.data() + ((row0 + r) * nb + b) * QK;
+    __m512i s[RN][T];
+    for (int r = 0; r < RN; ++r)
+      for (int t = 0; t < T; ++t) s[r][t] = _mm512_setzero_si512();
     if (Q4) {
       for (int c = 0; c < 4; ++c) {
-        const __m512i v = _mm512_loadu_si512(chunk + c * 64);
-        w[c] = _mm512_and_si512(v, nib);
-        w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        __m512i lo[T], hi[T];
+        for (int t = 0; t < T; ++t) {
+          const __m512i v = _mm512_loadu_si512(wq + (((t0 + t) * nb + b) * CHUNKS + c) * 64);
+          lo[t] = _mm512_and_si512(v, nib);
+          hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        }
+        for (int r = 0; r < RN; ++r) {
+          const __m512i xl = _mm512_set1_epi32(group4(xb[r] + 4 * c)), xh = _mm512_set1_epi32(group4(xb[r] + 4 * c + 16));
+          for (int t = 0; t < T; ++t) {
+            s[r][t] = _mm512_dpbusd_epi32(s[r][t], lo[t], xl);
+            s[r][t] = _mm512_dpbusd_epi32(s[r][t], hi[t], xh);
+          }
+        }
       }
     } else {
       // vpdpbusd takes unsigned x signed: w + 128 as unsigned, corrected by 128 * sum(qx) below.
-      for (int g = 0; g < 8; ++g) w[g] = _mm512_xor_si512(_mm512_loadu_si512(chunk + g * 64), bias128);
+      for (int g = 0; g < 8; ++g) {
+        __m512i w[T];
+        for (int t = 0; t < T; ++t)
+          w[t] = _mm512_xor_si512(_mm512_loadu_si512(wq + (((t0 + t) * nb + b) * CHUNKS + g) * 64), bias128);
+        for (int r = 0; r < RN; ++r) {
+          const __m512i xg = _mm512_set1_epi32(group4(xb[r] + 4 * g));
+          for (int t = 0; t < T; ++t) s[r][t] = _mm512_dpbusd_epi32(s[r][t], w[t], xg);
+        }
+      }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + tb * TILE)));
-    __m512 m = _mm512_setzero_ps();
-    if (Q4) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + tb * TILE)));
+    __m512 d[T], m[T];
+    for (int t = 0; t < T; ++t) {
+      const int64_t tb = (t0 + t) * nb + b;
+      d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wd + tb * TILE)));
+      m[t] = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wm + tb * TILE)))
+                : _mm512_setzero_ps();
+    }
     for (int r = 0; r < RN; ++r) {
       const int64_t rb = (row0 + r) * nb + b;
-      const int8_t* xb = a.qx.data() + rb * QK;
-      // Two integer accumulators: halves the dependency chain of the eight dot products.
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int g = 0; g < 8; g += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(group4(xb + 4 * g)));
-        s1 = _mm512_dpbusd_epi32(s1, w[g + 1], _mm512_set1_epi32(group4(xb + 4 * g + 4)));
+      const __m512 dx = _mm512_set1_ps(a.dx[rb]), sx = _mm512_set1_ps(a.sx[rb]);
+      const __m512i corr = _mm512_set1_epi32(128 * a.qs[rb]);
+      for (int t = 0; t < T; ++t) {
+        const __m512i si = Q4 ? s[r][t] : _mm512_sub_epi32(s[r][t], corr);
+        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), _mm512_mul_ps(d[t], dx), acc[r][t]);
+        if (Q4) acc[r][t] = _mm512_fmadd_ps(m[t], sx, acc[r][t]);
       }
-      __m512i s = _mm512_add_epi32(s0, s1);
-      if (!Q4) s = _mm512_sub_epi32(s, _mm512_set1_epi32(128 * a.qs[rb]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.dx[rb])), acc[r]);
-      if (Q4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a.sx[rb]), acc[r]);
     }
   }
-  const __mmask16 mask = n_valid >= TILE ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n_valid) - 1);
-  for (int r = 0; r < RN; ++r) _mm512_mask_storeu_ps(out + (row0 + r) * out_stride + t * TILE, mask, acc[r]);
+  for (int t = 0; t < T; ++t) {
+    const int64_t valid = n - (t0 + t) * TILE;
+    const __mmask16 mask = valid >= TILE ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << valid) - 1);
+    for (int r = 0; r < RN; ++r) _mm512_mask_storeu_ps(out + (row0 + r) * out_stride + (t0 + t) * TILE, mask, acc[r][t]);
+  }
 }
 #elif defined(__AVX2__)
 #define LIFECYCLE_QUANT_ISA 1
@@ -222,6 +267,36 @@ void tile(const Activations& a, int64_t row0, int64_t k, const uint8_t* wq, cons
 }
 #endif
 
+#ifdef LIFECYCLE_MULTI_TILE
+constexpr int RN_MAX = 4;   // rows per kernel call
+constexpr int T_MAX = 2;    // tiles per kernel call (each broadcast feeds T_MAX dot products)
+// All rows against T tiles from t0.
+template <int T, bool Q4>
+void rows_x_tiles(const Activations& a, int rows, int64_t k, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
+                  int64_t t0, float* out, int64_t out_stride, int64_t n) {
+  int r = 0;
+  for (; r + RN_MAX <= rows; r += RN_MAX) tile<RN_MAX, T, Q4>(a, r, k, wq, wd, wm, t0, out, out_stride, n);
+  for (; r + 2 <= rows; r += 2) tile<2, T, Q4>(a, r, k, wq, wd, wm, t0, out, out_stride, n);
+  if (r < rows) tile<1, T, Q4>(a, r, k, wq, wd, wm, t0, out, out_stride, n);
+}
+
+template <bool Q4>
+void matmul(const float* x, int rows, int64_t k, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
+            int64_t n, float* out, int64_t out_stride, int threads) {
+  const Activations& a = quantize(x, rows, k);
+  const int64_t tiles = (n + TILE - 1) / TILE, groups = (tiles + T_MAX - 1) / T_MAX;
+  // Static split of the tile groups: each thread streams its own contiguous part of the weights.
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && groups > 1)
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    const int64_t t0 = gi * T_MAX;
+    if (t0 + T_MAX <= tiles) {
+      rows_x_tiles<T_MAX, Q4>(a, rows, k, wq, wd, wm, t0, out, out_stride, n);
+    } else {
+      for (int64_t t = t0; t < tiles; ++t) rows_x_tiles<1, Q4>(a, rows, k, wq, wd, wm, t, out, out_stride, n);
+    }
+  }
+}
+#else
 template <bool Q4>
 void matmul(const float* x, int rows, int64_t k, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
             int64_t n, float* out, int64_t out_stride, int threads) {
@@ -241,6 +316,8 @@ void matmul(const float* x, int rows, int64_t k, const uint8_t* wq, const uint16
     }
   }
 }
+
+#endif
 
 }  // namespace
 
