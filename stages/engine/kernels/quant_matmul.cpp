@@ -284,7 +284,15 @@ template <bool Q4>
 void matmul(const float* x, int rows, int64_t k, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
             int64_t n, float* out, int64_t out_stride, int threads) {
   const Activations& a = quantize(x, rows, k);
-  const int64_t tiles = (n + TILE - 1) / TILE, groups = (tiles + T_MAX - 1) / T_MAX;
+  const int64_t tiles = (n + TILE - 1) / TILE;
+  if (rows == 1) {
+    // One row is bound by streaming the weights, not by broadcasts: one tile at a time, one stream
+    // (what batch-1 decode measured best with).
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && tiles > 1)
+    for (int64_t t = 0; t < tiles; ++t) tile<1, 1, Q4>(a, 0, k, wq, wd, wm, t, out, out_stride, n);
+    return;
+  }
+  const int64_t groups = (tiles + T_MAX - 1) / T_MAX;
   // Static split of the tile groups: each thread streams its own contiguous part of the weights.
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && groups > 1)
   for (int64_t gi = 0; gi < groups; ++gi) {
