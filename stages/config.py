@@ -59,6 +59,9 @@ class EngineSettings(_Strict):
     #: Quantised matmuls: auto (the block kernel built for this CPU: int8 activations, integer dot
     #: products; torch's int4/int8 kernels where it cannot be built) | native | torch.
     quant_kernel: Literal["auto", "native", "torch"] = "auto"
+    #: Steps whose prefill chunks all end within this many tokens of context run their prompt tokens
+    #: through the paged kernel with the decodes (one call per layer); longer ones gather + SDPA. 0: never.
+    prefill_kernel_max_len: int = Field(4096, ge=0)
     #: Waiting-queue bound; beyond it requests get 429 with Retry-After.
     max_waiting_requests: int = Field(256, ge=1)
     #: A step loop that has work but finishes no step for this long is unhealthy (Serve replaces it).

@@ -122,3 +122,58 @@ def test_a_bfloat16_model_on_cpu_decodes_a_batch_through_the_kernel():
     while eng.has_unfinished():
         tokens += sum(len(o.new_token_ids) for o in eng.step())
     assert tokens == 18
+
+
+def _run_mixed(prefill_kernel_max_len: int) -> tuple[dict[str, list[int]], dict[str, list[float]], list[tuple]]:
+    """A chunked prompt, a short one, then one sharing the first's prefix (a cache hit) arriving
+    while the others decode: steps mixing decodes, prompt chunks at an offset, and cached blocks."""
+    import random
+
+    from stages.engine.engine import EngineConfig, LLMEngine
+    from stages.protocol import SamplingParams
+
+    # float32 weights: with int8 activations (the quantised default) a 1e-6 difference in attention
+    # can flip an activation's rounding, and logprobs then move by ~0.1 on such random prompts.
+    eng = LLMEngine.from_config(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64, weights="float32",
+                                             prefill_kernel_max_len=prefill_kernel_max_len))
+    layouts = []
+    prepare = eng.runner.prepare
+
+    def recording(batch):
+        ids, meta, ordered = prepare(batch)
+        layouts.append((len(ids), meta.num_decodes, len(meta.prefills)))
+        return ids, meta, ordered
+
+    eng.runner.prepare = recording
+    rng = random.Random(3)
+    a = [rng.randrange(100, 40000) for _ in range(100)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    eng.add_request("a", a, params)
+    eng.add_request("b", [rng.randrange(100, 40000) for _ in range(20)], params)
+    tokens: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    logprobs: dict[str, list[float]] = {"a": [], "b": [], "c": []}
+    steps = 0
+    while eng.has_unfinished():
+        if steps == 3:
+            eng.add_request("c", a[:48] + [rng.randrange(100, 40000) for _ in range(10)], params)
+        for out in eng.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += [lp.logprob for lp in out.logprobs or []]
+        steps += 1
+    return tokens, logprobs, layouts
+
+
+@needs_kernel
+def test_prompt_tokens_through_the_kernel_match_gather_and_sdpa():
+    """``prefill_kernel_max_len``: prompt tokens as the kernel's query rows give what SDPA gives."""
+    kern_tokens, kern_lp, kern_layouts = _run_mixed(4096)
+    sdpa_tokens, sdpa_lp, sdpa_layouts = _run_mixed(0)
+    assert kern_tokens == sdpa_tokens and all(len(t) == 8 for t in kern_tokens.values())
+    for rid in kern_lp:
+        torch.testing.assert_close(torch.tensor(kern_lp[rid]), torch.tensor(sdpa_lp[rid]), rtol=0, atol=1e-4)
+    # The kernel side really ran prompts through the kernel (every token a row, no SDPA prefills),
+    # including steps that mixed decodes with prompt chunks; the other side did not.
+    prompt_steps = [(n, nd, np_) for n, nd, np_ in kern_layouts if n > 3]
+    assert prompt_steps and all(nd == n and np_ == 0 for n, nd, np_ in prompt_steps)
+    assert any(np_ > 0 for _, _, np_ in sdpa_layouts)
+    assert any(0 < nd < n for n, nd, _ in sdpa_layouts)  # a mixed step: decodes beside a prompt chunk

@@ -51,6 +51,9 @@ class EngineConfig:
     attention: str = "auto"
     #: Quantised matmuls: auto (the block kernel where it builds, else torch's) | native | torch.
     quant_kernel: str = "auto"
+    #: Prompt tokens go through the paged kernel too, in the decodes' one call per layer, when every
+    #: prefill chunk of the step ends within this many tokens of context (0: always gather + SDPA).
+    prefill_kernel_max_len: int = 4096
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -148,6 +151,7 @@ class LLMEngine:
             num_kv_blocks=config.num_kv_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
             num_threads=config.num_threads,
             weights=config.weights, model=config.model, attention=config.attention, quant_kernel=config.quant_kernel,
+            prefill_kernel_max_len=config.prefill_kernel_max_len,
         ), load_config(config.model), load_state_dict(config.model))
         from stages.engine.structured import GrammarBackend
 

@@ -52,6 +52,11 @@ class RunnerConfig:
     #: Quantised matmuls: auto (the block kernel, int8 activations, where it builds; else torch's) |
     #: native | torch (torch's int4/int8 kernels, bfloat16 activations).
     quant_kernel: str = "auto"
+    #: Prompt tokens through the paged kernel when every prefill chunk of the step ends within this
+    #: many tokens of context (0: never). The kernel reads each query's K/V on its own, SDPA shares
+    #: them across a chunk's queries: short contexts favour the kernel (one call per layer instead of
+    #: a gather, a mask and an SDPA call per prompt), long ones SDPA (BENCHMARKS.md, round 8).
+    prefill_kernel_max_len: int = 4096
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -175,6 +180,22 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
+        limit = self.config.prefill_kernel_max_len
+        if (prefills and self.paged_kernel is not None and limit > 0
+                and all(s.start + s.num_new_tokens <= limit for s in prefills)):
+            # Every prompt token is a query row like a decode's, with its own context length
+            # (position + 1) over its request's blocks: the whole step is one kernel call per layer.
+            # Safe because the step's K/V are written to the cache before any attention reads it.
+            nb = max(-(-(s.start + s.num_new_tokens) // self.block_size) for s in ordered)
+            per_request = torch.tensor(_padded_tables(ordered, nb), dtype=torch.int32)
+            meta.num_decodes = len(ids)
+            meta.decode_tables = per_request.repeat_interleave(
+                torch.tensor([s.num_new_tokens for s in ordered]), dim=0).contiguous()
+            meta.decode_ctx_lens = torch.tensor(positions, dtype=torch.int32) + 1
+            meta.paged_kernel = self.paged_kernel
+            meta.block_size = self.block_size
+            meta.kernel_threads = torch.get_num_threads()
+            return torch.tensor(ids, dtype=torch.long, device=dev), meta, ordered
         if decodes and self.paged_kernel is not None:
             # The kernel walks each sequence's block table itself: no slot lists, no mask.
             nb = max(-(-(s.start + 1) // self.block_size) for s in decodes)
