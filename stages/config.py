@@ -62,6 +62,9 @@ class EngineSettings(_Strict):
     #: Steps whose prefill chunks all end within this many tokens of context run their prompt tokens
     #: through the paged kernel with the decodes (one call per layer); longer ones gather + SDPA. 0: never.
     prefill_kernel_max_len: int = Field(4096, ge=0)
+    #: KV-cache dtype: auto (bfloat16 for quantised weights on CPU, else the model's) | float32 | bfloat16
+    #: (half the memory, twice the tokens per GB, fewer bytes read by attention; K and V rounded).
+    kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     #: Waiting-queue bound; beyond it requests get 429 with Retry-After.
     max_waiting_requests: int = Field(256, ge=1)
     #: A step loop that has work but finishes no step for this long is unhealthy (Serve replaces it).

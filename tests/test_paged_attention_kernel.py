@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,7 +126,7 @@ def test_a_bfloat16_model_on_cpu_decodes_a_batch_through_the_kernel():
     assert tokens == 18
 
 
-def _run_mixed(prefill_kernel_max_len: int) -> tuple[dict[str, list[int]], dict[str, list[float]], list[tuple]]:
+def _run_mixed(prefill_kernel_max_len: int, **config: Any) -> tuple[dict[str, list[int]], dict[str, list[float]], list[tuple]]:
     """A chunked prompt, a short one, then one sharing the first's prefix (a cache hit) arriving
     while the others decode: steps mixing decodes, prompt chunks at an offset, and cached blocks."""
     import random
@@ -135,7 +137,7 @@ def _run_mixed(prefill_kernel_max_len: int) -> tuple[dict[str, list[int]], dict[
     # float32 weights: with int8 activations (the quantised default) a 1e-6 difference in attention
     # can flip an activation's rounding, and logprobs then move by ~0.1 on such random prompts.
     eng = LLMEngine.from_config(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64, weights="float32",
-                                             prefill_kernel_max_len=prefill_kernel_max_len))
+                                             prefill_kernel_max_len=prefill_kernel_max_len, **config))
     layouts = []
     prepare = eng.runner.prepare
 
@@ -177,3 +179,28 @@ def test_prompt_tokens_through_the_kernel_match_gather_and_sdpa():
     assert prompt_steps and all(nd == n and np_ == 0 for n, nd, np_ in prompt_steps)
     assert any(np_ > 0 for _, _, np_ in sdpa_layouts)
     assert any(0 < nd < n for n, nd, _ in sdpa_layouts)  # a mixed step: decodes beside a prompt chunk
+
+
+@needs_kernel
+@pytest.mark.parametrize("prefill_kernel_max_len", [4096, 0])
+def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(prefill_kernel_max_len):
+    """``kv_cache_dtype="bfloat16"`` under a float32 model: the kernel reads it, SDPA paths cast it
+    back, and the only change is K/V's rounding (measured: logprobs within 0.016 of float32)."""
+    from stages.engine.engine import EngineConfig, LLMEngine
+
+    f32_tokens, f32_lp, _ = _run_mixed(prefill_kernel_max_len)
+    bf_tokens, bf_lp, _ = _run_mixed(prefill_kernel_max_len, kv_cache_dtype="bfloat16")
+    assert bf_tokens == f32_tokens
+    for rid in f32_lp:
+        torch.testing.assert_close(torch.tensor(bf_lp[rid]), torch.tensor(f32_lp[rid]), rtol=0, atol=0.05)
+    sizes, per_token = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        runner = LLMEngine.from_config(EngineConfig(kv_cache_memory_gb=0.05, kv_cache_dtype=dtype)).runner
+        assert runner.kv_caches[0][0].dtype == getattr(torch, dtype)
+        sizes[dtype], per_token[dtype] = runner.num_blocks, runner.kv_bytes_per_token
+    assert per_token["float32"] == 2 * per_token["bfloat16"]
+    # auto: bfloat16 under the quantised default, float32 under float32 weights.
+    for weights, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        runner = LLMEngine.from_config(EngineConfig(kv_cache_memory_gb=0.05, weights=weights)).runner
+        assert runner.kv_caches[0][0].dtype == want
+    assert 2 * sizes["float32"] <= sizes["bfloat16"] <= 2 * sizes["float32"] + 1  # the same bytes, floored

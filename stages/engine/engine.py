@@ -54,6 +54,8 @@ class EngineConfig:
     #: Prompt tokens go through the paged kernel too, in the decodes' one call per layer, when every
     #: prefill chunk of the step ends within this many tokens of context (0: always gather + SDPA).
     prefill_kernel_max_len: int = 4096
+    #: KV-cache dtype: auto (bfloat16 for quantised weights on CPU, else the model's) | float32 | bfloat16.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -151,7 +153,7 @@ class LLMEngine:
             num_kv_blocks=config.num_kv_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
             num_threads=config.num_threads,
             weights=config.weights, model=config.model, attention=config.attention, quant_kernel=config.quant_kernel,
-            prefill_kernel_max_len=config.prefill_kernel_max_len,
+            prefill_kernel_max_len=config.prefill_kernel_max_len, kv_cache_dtype=config.kv_cache_dtype,
         ), load_config(config.model), load_state_dict(config.model))
         from stages.engine.structured import GrammarBackend
 

@@ -57,11 +57,27 @@ class RunnerConfig:
     #: them across a chunk's queries: short contexts favour the kernel (one call per layer instead of
     #: a gather, a mask and an SDPA call per prompt), long ones SDPA (BENCHMARKS.md, round 8).
     prefill_kernel_max_len: int = 4096
+    #: KV-cache dtype: auto (see :meth:`cache_dtype`) | float32 | bfloat16. bfloat16 halves the cache's memory
+    #: (twice the tokens in ``kv_cache_memory_gb``) and the bytes attention reads per step, and
+    #: rounds every K and V to bfloat16.
+    kv_cache_dtype: str = "auto"
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return getattr(torch, self.dtype)
+
+    def cache_dtype(self, weights: str) -> torch.dtype:
+        """The KV cache's dtype given the resolved ``weights``: ``auto`` is bfloat16 for quantised
+        weights on CPU (their activations are rounded to int8 anyway; llama.cpp's cache is 16-bit
+        too), else the model's dtype (float32 weights keep their exact parity)."""
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, not {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto":
+            return getattr(torch, self.kv_cache_dtype)
+        if weights != "float32" and not self.device.startswith("cuda") and self.torch_dtype() == torch.float32:
+            return torch.bfloat16
+        return self.torch_dtype()
 
 
 class ModelRunner:
@@ -97,11 +113,12 @@ class ModelRunner:
                     self.block_kernel.isa_name if self.block_kernel is not None else "torch",
                     getattr(model, "dense_min_rows", "-"), time.monotonic() - t0)
 
+        self.cache_dtype = config.cache_dtype(self.weights)
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_gb)
         shape = (self.num_blocks * self.block_size, self.args.num_kv_heads, self.args.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
                           for _ in range(self.args.num_layers)]
         self.paged_kernel = self._decode_kernel(config.attention)
         self.sampler = Sampler(self.device)
@@ -125,7 +142,7 @@ class ModelRunner:
         """The paged decode-attention kernel, or None for gather + SDPA."""
         if choice not in ("auto", "paged_kernel", "sdpa"):
             raise ValueError(f"attention must be auto, paged_kernel or sdpa, not {choice!r}")
-        if choice == "sdpa" or self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16):
+        if choice == "sdpa" or self.device.type != "cpu" or self.cache_dtype not in (torch.float32, torch.bfloat16):
             if choice == "paged_kernel":
                 raise ValueError("attention=paged_kernel needs the CPU with float32 or bfloat16")
             return None
@@ -139,7 +156,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V across all layers for one token."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = torch.tensor([], dtype=self.cache_dtype).element_size()
         return 2 * self.args.num_layers * self.args.num_kv_heads * self.args.head_dim * elem
 
     def _blocks_for_memory(self, gb: float) -> int:

@@ -169,8 +169,8 @@ class Attention(nn.Module):
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(t, self.num_kv_heads, self.head_dim)
         # Write this step's K/V first so every query reads its own token from the cache too.
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         nd = meta.num_decodes
         if nd == t:  # decodes only (the steady state): no output buffer to scatter into
@@ -179,11 +179,18 @@ class Attention(nn.Module):
         if nd:
             out[:nd] = self._decode(q[:nd], meta, k_cache, v_cache)
         for start, end, ctx_slots, mask in meta.prefills:
-            kp = k_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
-            vp = v_cache.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
+            # (A cache in another dtype than the model's, e.g. bfloat16 for float32: read it as q's.)
+            kp = k_cache.index_select(0, ctx_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
+            vp = v_cache.index_select(0, ctx_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
             qp = q[start:end].transpose(0, 1).unsqueeze(0)       # [1, H, Q, d]
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
-                                                enable_gqa=True)
+            if kp.shape[2] == end - start:
+                # A chunk from position 0: plain causal attention, which torch's flash kernel skips
+                # the masked half of (an explicit mask costs it ~2x at 2,000 tokens).
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
+                                                    enable_gqa=True)
+            else:
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
+                                                    enable_gqa=True)
             out[start:end] = op.squeeze(0).transpose(0, 1)
         return self.o_proj(out.view(t, self.q_size))
 
@@ -199,13 +206,13 @@ class Attention(nn.Module):
         if meta.decode_range is not None:
             # One sequence whose context is one run of consecutive slots: read the cache in place.
             start = meta.decode_range
-            kd = k_cache[start:start + width].transpose(0, 1).unsqueeze(0)
-            vd = v_cache[start:start + width].transpose(0, 1).unsqueeze(0)
+            kd = k_cache[start:start + width].to(q.dtype).transpose(0, 1).unsqueeze(0)
+            vd = v_cache[start:start + width].to(q.dtype).transpose(0, 1).unsqueeze(0)
         else:
             flat = meta.decode_slots.view(-1)
             # index_select on the flat slot list is ~4x cheaper than advanced indexing here.
-            kd = k_cache.index_select(0, flat).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            vd = v_cache.index_select(0, flat).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            kd = k_cache.index_select(0, flat).to(q.dtype).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vd = v_cache.index_select(0, flat).to(q.dtype).view(b, width, self.num_kv_heads, self.head_dim).transpose(1, 2)
         # The query heads sharing a KV head become rows of one attention problem per KV head
         # ([B, kvh, group, d]), so no K/V is repeated (head h reads KV head h // group).
         qd = q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
