@@ -3,6 +3,9 @@ in the kernel's tile layout, int8 activations, checked against the same arithmet
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -12,7 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from stages.engine import kernels
 from stages.engine.loader import read_gguf_q8_0, split_q4_1, split_q8_0
-from stages.engine.quant import GROUP, BlockInt8, GroupInt4, QuantLinear, pack_q4_1, pack_q8_0
+from stages.engine.quant import GROUP, BlockInt8, GroupInt4, QuantLinear, cpu_flags, pack_q4_1, pack_q8_0
 
 kernel = kernels.quant_matmul()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler here: torch's int4/int8 kernels run")
@@ -35,16 +38,45 @@ def test_activation_rounding_is_absmax_int8_per_block():
     assert torch.equal(qx[1, :GROUP], torch.zeros(GROUP, dtype=torch.int8))
 
 
-def test_activation_rounding_is_exactly_round_half_even_of_x_over_scale():
+@functools.cache
+def avx2_kernel() -> kernels.QuantMatmul | None:
+    """The same source built for AVX2 (``-march=haswell``), where this CPU can run it: its AVX2
+    paths are then checked here too, not only on AVX2-only machines."""
+    if "avx2" not in cpu_flags():
+        return None
+    try:
+        lib = ctypes.CDLL(str(kernels.build(kernels._QUANT_SRC, march="haswell")))
+    except (OSError, RuntimeError):
+        return None
+    return kernels.QuantMatmul(lib)
+
+
+def both_builds() -> list:
+    return [pytest.param("native", id="native"), pytest.param("avx2", id="avx2")]
+
+
+def build_of(which: str) -> kernels.QuantMatmul:
+    if which == "native":
+        return kernel
+    k = avx2_kernel()
+    if k is None:
+        pytest.skip("no AVX2 build here")
+    assert k.isa_name == "avx2"
+    return k
+
+
+@pytest.mark.parametrize("which", both_builds())
+def test_activation_rounding_is_exactly_round_half_even_of_x_over_scale(which):
     """The vectorised and the scalar quantisation must both be ``rint(x * (1 / d))`` in float32,
     ties to even: a tie-heavy input (multiples of d/2) pins that down exactly."""
+    kern = build_of(which)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(5, 128, generator=g)
     x[0, :32] = torch.arange(-16, 16) * 0.5            # amax 8: d = 8/127
     x[1, :32] = torch.arange(32) - 15.5                 # d = 1 exactly below: every value a tie
     x[1, 0] = 127.0
     x[2, 32:64] = 0.0
-    qx, dx = kernel.quantize_activations(x)
+    qx, dx = kern.quantize_activations(x)
     xb = x.view(5, 4, GROUP).numpy()
     d = (np.abs(xb).max(-1) / np.float32(127)).astype(np.float32)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
@@ -70,6 +102,27 @@ def test_q4_1_matches_dequantised_weights_times_rounded_activations(n, k, rows):
     want = int8_blocks(x) @ w.T
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(kernel.q4_1(x, *packed, n, 2), got)  # threads split tiles, not sums
+
+
+@pytest.mark.parametrize("which", both_builds())
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_the_avx2_build_computes_what_the_native_one_does(which, rows):
+    """Both builds against the float32 arithmetic on their own rounded activations (the rounding
+    itself is pinned above), Q4_1 and Q8_0, with padded tiles."""
+    kern = build_of(which)
+    g = torch.Generator().manual_seed(rows)
+    n, k = 40, 576
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // GROUP, generator=g) * 0.01).half()
+    m = (-torch.rand(n, k // GROUP, generator=g) * 0.05).half()
+    w = (q.float().view(n, -1, GROUP) * d.float()[..., None] + m.float()[..., None]).view(n, k)
+    x = torch.randn(rows, k, generator=g)
+    qx, dx = kern.quantize_activations(x)
+    xr = (qx.float().view(rows, -1, GROUP) * dx[..., None]).view(rows, k)
+    torch.testing.assert_close(kern.q4_1(x, *pack_q4_1(q, d, m), n, 1), xr @ w.T, rtol=1e-5, atol=1e-5)
+    q8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    w8 = (q8.float().view(n, -1, GROUP) * d.float()[..., None]).view(n, k)
+    torch.testing.assert_close(kern.q8_0(x, *pack_q8_0(q8, d), n, 1), xr @ w8.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("n,k", [(64, 64), (33, 576)])

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("paged_attention.cpp")
 _QUANT_SRC = Path(__file__).with_name("quant_matmul.cpp")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 _ABI_VERSION = 1
 _lock = threading.Lock()
 
@@ -52,14 +52,17 @@ def _cpu_key() -> str:
     return " ".join(sorted(cpu_flags()))
 
 
-def build(src: Path = _SRC) -> Path:
+def build(src: Path = _SRC, march: str = "native") -> Path:
     """Compile ``src`` for this machine (or find it already built); returns the shared library.
-    Raises ``RuntimeError`` when there is no compiler or the build fails."""
+    ``march`` other than ``native`` builds for an older instruction set (tests use ``haswell`` to run
+    the AVX2 paths on an AVX-512 machine). Raises ``RuntimeError`` when there is no compiler or the
+    build fails."""
+    flags = [f"-march={march}", *_FLAGS]
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([src.read_text(), cxx, version, " ".join(_FLAGS), _cpu_key()]).encode())
+    key = hashlib.sha256("\0".join([src.read_text(), cxx, version, " ".join(flags), _cpu_key()]).encode())
     out = cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -68,7 +71,7 @@ def build(src: Path = _SRC) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *_FLAGS, str(src), "-o", tmp], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *flags, str(src), "-o", tmp], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"{cxx} failed building {src.name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
