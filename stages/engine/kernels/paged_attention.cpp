@@ -54,6 +54,18 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// exp(s - m) in place over one head's scores, given their maximum m; returns 1 / their sum.
+inline float softmax_in_place(float* sg, int32_t ctx, float m) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int32_t p = 0; p < ctx; ++p) {
+    const float e = exp_nonpositive(sg[p] - m);
+    sg[p] = e;
+    sum += e;
+  }
+  return 1.0f / sum;
+}
+
 // HD > 0: the head dimension as a compile-time constant (fully unrolled dot products); 0: runtime.
 template <typename T, int HD>
 void decode_one(const float* q, int64_t q_head_stride, const T* k_cache, const T* v_cache,
@@ -88,14 +100,7 @@ void decode_one(const float* q, int64_t q_head_stride, const T* k_cache, const T
     float* sg = scores.data() + static_cast<int64_t>(g) * ctx;
     float m = sg[0];
     for (int32_t p = 1; p < ctx; ++p) m = std::max(m, sg[p]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int32_t p = 0; p < ctx; ++p) {
-      const float e = exp_nonpositive(sg[p] - m);
-      sg[p] = e;
-      sum += e;
-    }
-    inv_sum[g] = 1.0f / sum;
+    inv_sum[g] = softmax_in_place(sg, ctx, m);
   }
   // Pass 2: the weighted sum of V rows.
   std::vector<float> acc(static_cast<size_t>(group) * head_dim, 0.0f);
@@ -162,18 +167,7 @@ void decode_one_64(const float* q, int64_t q_head_stride, const T* k_cache, cons
     }
   }
   float inv_sum[G];
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores.data() + static_cast<int64_t>(g) * ctx;
-    const float m = mx[g];
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int32_t p = 0; p < ctx; ++p) {
-      const float e = exp_nonpositive(sg[p] - m);
-      sg[p] = e;
-      sum += e;
-    }
-    inv_sum[g] = 1.0f / sum;
-  }
+  for (int g = 0; g < G; ++g) inv_sum[g] = softmax_in_place(scores.data() + static_cast<int64_t>(g) * ctx, ctx, mx[g]);
   __m512 acc[G][4];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
