@@ -47,6 +47,11 @@ class EngineSettings(_Strict):
     num_kv_blocks: int = Field(0, ge=0)
     kv_cache_memory_gb: float = Field(1.0, gt=0)
     num_threads: int = Field(0, ge=0)
+    #: Threads for a step that computes at least ``prefill_threads_min_tokens`` prompt tokens (0: as
+    #: ``num_threads``). Such a step is compute-bound, and while it runs the CPU stages mostly wait on
+    #: it (a burst's requests are in, their first tokens not yet out), so it may borrow their core.
+    prefill_threads: int = Field(0, ge=0)
+    prefill_threads_min_tokens: int = Field(128, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
     max_num_seqs: int = Field(64, ge=1)
     long_prefill_token_threshold: int = Field(0, ge=0)

@@ -39,6 +39,9 @@ class EngineConfig:
     num_kv_blocks: int = 0
     kv_cache_memory_gb: float = 1.0
     num_threads: int = 0
+    #: Threads for a step with at least ``prefill_threads_min_tokens`` prompt tokens (0: num_threads).
+    prefill_threads: int = 0
+    prefill_threads_min_tokens: int = 128
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     long_prefill_token_threshold: int = 0
@@ -151,7 +154,8 @@ class LLMEngine:
         runner = ModelRunner(RunnerConfig(
             device=config.device, dtype=config.dtype, block_size=config.block_size,
             num_kv_blocks=config.num_kv_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
-            num_threads=config.num_threads,
+            num_threads=config.num_threads, prefill_threads=config.prefill_threads,
+            prefill_threads_min_tokens=config.prefill_threads_min_tokens,
             weights=config.weights, model=config.model, attention=config.attention, quant_kernel=config.quant_kernel,
             prefill_kernel_max_len=config.prefill_kernel_max_len, kv_cache_dtype=config.kv_cache_dtype,
         ), load_config(config.model), load_state_dict(config.model))

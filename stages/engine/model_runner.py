@@ -38,6 +38,11 @@ class RunnerConfig:
     kv_cache_memory_gb: float = 1.0
     #: torch intra-op threads on CPU (0: leave torch's default).
     num_threads: int = 0
+    #: Threads for a step that computes at least ``prefill_threads_min_tokens`` prompt tokens (0:
+    #: ``num_threads``). A step with many prompt tokens is compute-bound, and the CPU stages mostly
+    #: wait on it, so it can take the core that decode steps leave to them (BENCHMARKS.md, round 9).
+    prefill_threads: int = 0
+    prefill_threads_min_tokens: int = 128
     #: Linear-layer weights: auto | float32 | int4 | int8 (see :func:`loader.resolve_weights`).
     weights: str = "float32"
     #: The model's name, to find a GGUF's own blocks for ``weights`` int4.
@@ -87,6 +92,9 @@ class ModelRunner:
         self.config = config
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
+        #: Intra-op threads of an ordinary step, and of one that prefills many tokens (CPU only).
+        self.step_threads = torch.get_num_threads()
+        self.prefill_threads = (config.prefill_threads or self.step_threads) if config.device == "cpu" else self.step_threads
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise NotImplementedError(f"architecture {arch} is not supported (have {ARCHITECTURES})")
@@ -253,6 +261,12 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, ordered
 
     @torch.inference_mode()
+    def threads_for(self, batch: list[ScheduledRequest]) -> int:
+        """Intra-op threads for ``batch``: ``prefill_threads`` when its prompt chunks hold at least
+        ``prefill_threads_min_tokens`` tokens, else the ordinary step's."""
+        prompt = sum(s.num_new_tokens for s in batch if s.num_new_tokens > 1)
+        return self.prefill_threads if prompt >= self.config.prefill_threads_min_tokens else self.step_threads
+
     def execute(self, batch: list[ScheduledRequest], grammars: Any = None
                 ) -> dict[str, tuple[int, TokenLogprob | None] | SamplingError]:
         """Run the forward pass for ``batch`` and sample for every sequence whose chunk ends its
@@ -261,6 +275,10 @@ class ModelRunner:
 
         ``grammars`` (a :class:`~stages.engine.structured.GrammarBackend`) fills the structured-output
         masks of the sampling rows while the model runs (llguidance works without the GIL)."""
+        if self.prefill_threads != self.step_threads:
+            threads = self.threads_for(batch)
+            if threads != torch.get_num_threads():  # cheap; the OpenMP pools keep their threads
+                torch.set_num_threads(threads)
         input_ids, meta, ordered = self.prepare(batch)
         samplers = [s.request for s in ordered if s.samples]
         mask_future = None
