@@ -39,6 +39,9 @@ def _run(eng: LLMEngine, prefill_threads: int, min_tokens: int = 100
 
     def recording(batch):  # runs inside execute, after the step's thread count is set
         ids, meta, ordered = prepare(runner, batch)
+        # execute runs under inference mode (without it an engine replica grew from 1.6 to 6 GB
+        # over the API tests: found when this decorator slipped onto the method above it)
+        assert torch.is_inference_mode_enabled()
         steps.append((len(ids), torch.get_num_threads()))
         return ids, meta, ordered
 

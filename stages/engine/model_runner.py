@@ -260,13 +260,13 @@ class ModelRunner:
             offset += n
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, ordered
 
-    @torch.inference_mode()
     def threads_for(self, batch: list[ScheduledRequest]) -> int:
         """Intra-op threads for ``batch``: ``prefill_threads`` when its prompt chunks hold at least
         ``prefill_threads_min_tokens`` tokens, else the ordinary step's."""
         prompt = sum(s.num_new_tokens for s in batch if s.num_new_tokens > 1)
         return self.prefill_threads if prompt >= self.config.prefill_threads_min_tokens else self.step_threads
 
+    @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest], grammars: Any = None
                 ) -> dict[str, tuple[int, TokenLogprob | None] | SamplingError]:
         """Run the forward pass for ``batch`` and sample for every sequence whose chunk ends its
