@@ -40,5 +40,6 @@ def build_app_with_options(args: dict[str, Any] | None = None,
     engine = deployment(EngineDeployment).bind(cfg.model, cfg.engine.model_dump(), tracing, directory)
     preprocess = deployment(PreprocessDeployment).bind(cfg.model, cfg.engine.max_model_len, tracing, directory,
                                                        cfg.structured_outputs.model_dump())
-    egress = deployment(EgressDeployment).bind(engine, cfg.model, tracing, cfg.engine.stream_channel)
+    egress = deployment(EgressDeployment).bind(engine, cfg.model, tracing, cfg.engine.stream_channel,
+                                              cfg.engine.batch_admission)
     return deployment(Ingress).bind(preprocess, egress, engine, cfg.model_dump(), directory)

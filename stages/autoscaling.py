@@ -47,6 +47,9 @@ from typing import Any
 WAITING, KV_USAGE, TTFT = "waiting", "kv_usage", "ttft_s"
 #: The custom metric a channel producer (Egress) reports: its open channel attaches.
 ATTACHES = "channel_attaches"
+#: Egress's custom metric: batch-admitted jobs running there (:mod:`stages.admission`). Their
+#: admission call ended long ago, so Serve does not count them; they are load.
+ADMITTED = "admitted_jobs"
 
 
 @dataclass(frozen=True)
@@ -125,12 +128,15 @@ def stage_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     report their open attaches (``record_autoscaling_stats``) and the latest count of each is
     subtracted. Not the look-back mean: Serve's own count and a custom metric are averaged over
     different spans (measured: 33 requests against 0.2 attaches in the first seconds of a load of
-    32 streams), and the attach count only changes when an Ingress replica comes or goes. Serve then
-    applies the bounds, scaling factors and delays as it does for its own policy."""
+    32 streams), and the attach count only changes when an Ingress replica comes or goes. Jobs
+    admitted in batches (:mod:`stages.admission`) are not Serve requests once their admission call
+    has returned: the replicas report them too, and they are added. Serve then applies the bounds,
+    scaling factors and delays as it does for its own policy."""
     running = ctx.current_num_replicas
     if running <= 0:
         return ctx.target_num_replicas, {}
-    series = (ctx.raw_metrics or {}).get(ATTACHES, {})
-    attaches = sum(points[-1].value for points in series.values() if points)
-    requests = max(float(ctx.total_num_requests) - attaches, 0.0)
+    raw = ctx.raw_metrics or {}
+    attaches, admitted = (sum(points[-1].value for points in raw.get(name, {}).values() if points)
+                          for name in (ATTACHES, ADMITTED))
+    requests = max(float(ctx.total_num_requests) - attaches, 0.0) + admitted
     return requests / ctx.config.get_target_ongoing_requests(), {}

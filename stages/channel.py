@@ -38,7 +38,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from stages.protocol import ChannelBatch, EngineOutput, RoutedFrame, StreamSummary, TokenLogprob
+from stages.protocol import ChannelBatch, EngineOutput, RoutedError, RoutedFrame, StreamSummary, TokenLogprob
 
 logger = logging.getLogger("lifecycle.channel")
 
@@ -74,6 +74,15 @@ def merge_group(outs: list[EngineOutput]) -> list[EngineOutput]:
     for o in outs:
         by_id.setdefault(o.request_id, []).append(o)
     return [group[0] if len(group) == 1 else merge_outputs(rid, group) for rid, group in by_id.items()]
+
+
+def merge_channel_items(items: list[Any]) -> list[Any]:
+    """An engine mailbox's batch: one merged output per request, then any :class:`RoutedError`
+    (a request's failure comes after its outputs, as it happened)."""
+    outs = [i for i in items if isinstance(i, EngineOutput)]
+    if len(outs) == len(items):
+        return merge_group(items)
+    return [*merge_group(outs), *(i for i in items if not isinstance(i, EngineOutput))]
 
 
 # -- producer side (the engine, Egress) --------------------------------------------------------------
@@ -314,7 +323,11 @@ class ChannelClient:
                         return
                     for item in batch.items:
                         inbox = self._inboxes.get(item.request_id)
-                        if inbox is not None:
+                        if inbox is None:
+                            continue
+                        if isinstance(item, RoutedError):
+                            inbox.fail(item.error)  # raised once the items before it are taken
+                        else:
                             inbox.push(item)
                     delivered += len(batch.items)
             except asyncio.CancelledError:
@@ -366,15 +379,20 @@ async def engine_items(gen: Any, inbox: Inbox, client: ChannelClient) -> AsyncIt
 
 class FrameStream:
     """Ingress's view of a channel request after its :class:`~stages.protocol.StreamStart`: the
-    frames and the summary from the channel, with ``cancel()`` cancelling the request's own
-    stream (which cancels it in Egress and aborts it in the engine), as a plain stream would."""
+    frames and the summary from the channel. ``cancel()`` ends the request in Egress (which aborts
+    it in the engine), as cancelling a plain stream would: by cancelling the request's own stream
+    ``gen``, or, for a batch-admitted request (no stream of its own, ``gen`` is ``None``), through
+    ``on_cancel``."""
 
-    def __init__(self, gen: Any, inbox: FrameInbox, client: ChannelClient, replica: str) -> None:
+    def __init__(self, gen: Any, inbox: FrameInbox, client: ChannelClient, replica: str,
+                 on_cancel: Callable[[], None] | None = None) -> None:
         self._gen = gen
         self._inbox = inbox
         self._client = client
+        self._on_cancel = on_cancel
+        self._ended = False
         client.bind(inbox, replica)
-        self._watch = _watch(gen, inbox)
+        self._watch = _watch(gen, inbox) if gen is not None else None
 
     def __aiter__(self) -> FrameStream:
         return self
@@ -382,14 +400,21 @@ class FrameStream:
     async def __anext__(self) -> Any:
         try:
             item = await self._inbox.__anext__()
-        except BaseException:
+        except BaseException as exc:
+            # An error Egress sent ended the request there; a cancelled wait did not.
+            self._ended = not isinstance(exc, asyncio.CancelledError)
             self._client.unregister(self._inbox)
             raise
         if isinstance(item, StreamSummary):
             # The request's own stream ends by itself now (the watch sees it end).
+            self._ended = True
             self._client.unregister(self._inbox)
         return item
 
     def cancel(self) -> None:
-        self._gen.cancel()  # the watch ends with it
+        if self._gen is not None:
+            self._gen.cancel()  # the watch ends with it
+        elif self._on_cancel is not None and not self._ended:
+            self._ended = True
+            self._on_cancel()
         self._client.unregister(self._inbox)

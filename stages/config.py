@@ -35,7 +35,7 @@ def valid_api_key(key: str) -> bool:
 
 #: Engine settings the Ray replica uses itself; the engine core never sees them.
 _REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s", "fault_injection", "stream_channel",
-                 "step_thread_nice"}
+                 "batch_admission", "step_thread_nice"}
 
 
 class EngineSettings(_Strict):
@@ -79,6 +79,10 @@ class EngineSettings(_Strict):
     #: Tokens of all requests from one Egress replica to one engine replica share one stream, one
     #: item per engine step (:mod:`stages.channel`); false: one stream item per request per step.
     stream_channel: bool = True
+    #: With ``stream_channel``: the streamed requests an Ingress or Egress replica sends on in one
+    #: loop turn go to the next stage in one call, whose reply carries their acceptances
+    #: (:mod:`stages.admission`); false: one streamed call per request per hop.
+    batch_admission: bool = True
     #: Nice value of the engine's step thread (Ray starts workers at nice 15; the CPU stages keep
     #: that): normal priority where the engine leaves a core free (:mod:`stages.engine.priority`).
     #: ``None``: leave it.

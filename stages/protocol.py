@@ -163,7 +163,9 @@ def choice_request_id(request_id: str, index: int, n: int) -> str:
 
 @dataclass
 class AbortRequest:
-    """Abort these engine requests on the engine replica ``replica`` (the router sends it there).
+    """Abort these requests on the replica ``replica`` (the router sends it there): engine request
+    ids on an engine replica, API request ids on an Egress replica (an Ingress cancelling the
+    batch-admitted requests it gave up on, :mod:`stages.admission`).
 
     Unknown or finished ids are ignored. Each aborted request ends its stream normally with
     ``finish_reason="abort"``, so the client still gets what was generated so far.
@@ -171,6 +173,34 @@ class AbortRequest:
 
     replica: str
     request_ids: list[str]
+
+
+@dataclass
+class AdmissionBatch:
+    """Several requests for one replica in one call (:mod:`stages.admission`): engine requests
+    (Egress → engine) or generation jobs (Ingress → Egress). Each runs as if it had its own
+    stream; what would have been that stream's first item comes back in the reply, and the rest
+    through the caller's channel (:mod:`stages.channel`)."""
+
+    items: list[Any]
+
+
+@dataclass
+class Admission:
+    """One request's answer in an :class:`AdmissionBatch` reply, in the batch's order: the first
+    item of its stream (accepted), or the error its stream would have raised (refused)."""
+
+    item: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class RoutedError:
+    """A channel item ending one request with an error, after the items before it (the request
+    failed in the producer after it was accepted: the engine died, a step failed for it)."""
+
+    request_id: str
+    error: BaseException
 
 
 @dataclass

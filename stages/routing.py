@@ -32,7 +32,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from stages.protocol import AbortRequest, ChannelAttach, EngineRequest
+from stages.protocol import AbortRequest, AdmissionBatch, ChannelAttach, EngineRequest
 
 #: Score of a replica whose waiting queue cannot take the request: it would answer 429.
 FULL = 1e9
@@ -123,33 +123,38 @@ class EngineRouter(RequestRouter):
             # The owner is gone (its requests went with it): any replica answers an abort's no-op,
             # and an attach that lands elsewhere says so in its first item (its replica's name).
             return [target or candidate_replicas[:1]]
-        if not isinstance(msg, EngineRequest):
+        requests = _engine_requests(msg)
+        if not requests:
             return [candidate_replicas]
+        # A batch (stages.admission) is placed as one request of its total size; its requests
+        # share the replicas to avoid (the batching groups by them), and the first one's prefix
+        # picks the affinity.
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        prompt_tokens, n = sum(len(r.prompt_token_ids) for r in requests), sum(r.n for r in requests)
         costs = {}
         for rid, r in by_id.items():
             load = ReplicaLoad.from_stats(r.routing_stats)
-            costs[rid] = start_cost(load, prompt_tokens=len(msg.prompt_token_ids), n=msg.n,
+            costs[rid] = start_cost(load, prompt_tokens=prompt_tokens, n=n,
                                     sent_since_report=self._sent_since(rid, load),
                                     ongoing=self.replica_queue_len_cache.get(r.replica_id))
-        key = prefix_key(msg.prompt_token_ids)
+        key = prefix_key(requests[0].prompt_token_ids)
         preferred = self._affinity.get(key) if key is not None else None
-        order = rank(costs, avoid=set(msg.avoid_replicas), preferred=preferred, affinity_slack=self.affinity_slack)
+        order = rank(costs, avoid=set(requests[0].avoid_replicas), preferred=preferred,
+                     affinity_slack=self.affinity_slack)
         return [[by_id[rid]] for rid in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        msg = pending_request.args[0] if pending_request.args else None
-        if not isinstance(msg, EngineRequest):
-            return
+        requests = _engine_requests(pending_request.args[0] if pending_request.args else None)
         rid = replica_id.unique_id
-        seq, sent = self._sent.get(rid, (-1, 0))
-        self._sent[rid] = (seq, sent + msg.n)
-        key = prefix_key(msg.prompt_token_ids)
-        if key is not None:
-            self._affinity[key] = rid
-            self._affinity.move_to_end(key)
-            while len(self._affinity) > self.affinity_entries:
-                self._affinity.popitem(last=False)
+        for msg in requests:
+            seq, sent = self._sent.get(rid, (-1, 0))
+            self._sent[rid] = (seq, sent + msg.n)
+            key = prefix_key(msg.prompt_token_ids)
+            if key is not None:
+                self._affinity[key] = rid
+                self._affinity.move_to_end(key)
+                while len(self._affinity) > self.affinity_entries:
+                    self._affinity.popitem(last=False)
 
     def _sent_since(self, rid: str, load: ReplicaLoad | None) -> int:
         seq, sent = self._sent.get(rid, (-1, 0))
@@ -159,14 +164,24 @@ class EngineRouter(RequestRouter):
         return sent
 
 
+def _engine_requests(msg: Any) -> list[EngineRequest]:
+    """The engine requests a call carries: one, a batch's, or none (every other message)."""
+    if isinstance(msg, EngineRequest):
+        return [msg]
+    if isinstance(msg, AdmissionBatch):
+        return [r for r in msg.items if isinstance(r, EngineRequest)]
+    return []
+
+
 class EgressRouter(RequestRouter):
-    """Serve ``RequestRouter`` for Egress: an Ingress replica's :class:`ChannelAttach` goes to the
-    Egress replica it names; every other call to the least busy replica (Serve's queue lengths)."""
+    """Serve ``RequestRouter`` for Egress: an Ingress replica's :class:`ChannelAttach` and its
+    :class:`AbortRequest` (cancelling batch-admitted jobs) go to the Egress replica they name;
+    every other call to the least busy replica (Serve's queue lengths)."""
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         msg = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if isinstance(msg, ChannelAttach):
+        if isinstance(msg, ChannelAttach | AbortRequest):
             target = [r for r in candidate_replicas if r.replica_id.unique_id == msg.replica]
-            return [target or candidate_replicas[:1]]  # elsewhere: its first item says so
+            return [target or candidate_replicas[:1]]  # elsewhere: its first item says so; a no-op
         return [candidate_replicas]

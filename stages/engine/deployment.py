@@ -22,14 +22,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from stages.channel import ChannelHub, merge_group
+from stages.admission import AdmittedStreams
+from stages.channel import ChannelHub, merge_channel_items
 from stages.config import EngineSettings
 from stages.engine.async_engine import AsyncEngine
 from stages.engine.engine import LLMEngine
@@ -38,11 +39,14 @@ from stages.engine.faults import StepFaults
 from stages.liveness import ConsumerWatch, own_replica_id
 from stages.protocol import (
     AbortRequest,
+    Admission,
+    AdmissionBatch,
     ChannelAttach,
     ChannelBatch,
     EngineOutput,
     EngineReport,
     EngineRequest,
+    RoutedError,
 )
 
 logger = logging.getLogger("lifecycle.engine")
@@ -75,7 +79,12 @@ class EngineDeployment:
         # Requests whose Egress replica died are aborted (no zombie decoding: stages.liveness).
         self.consumers = ConsumerWatch(self._consumer_gone)
         #: Each Egress replica's mailbox: the tokens of its channel requests (stages.channel).
-        self.channels = ChannelHub(self.replica, merge=merge_group)
+        self.channels = ChannelHub(self.replica, merge=merge_channel_items)
+        #: The streams of batch-admitted requests (:meth:`submit`), by their first choice's id.
+        self.admitted = AdmittedStreams()
+        #: Admission calls received and the requests they carried (their ratio is the batching).
+        self.admission_calls = 0
+        self.admission_requests = 0
         # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
         self.async_engine.start(asyncio.get_running_loop())
         self._seq = itertools.count()
@@ -97,21 +106,47 @@ class EngineDeployment:
         With ``request.channel`` this stream carries the acceptance item only and then stays open
         until the request ends (its cancellation still aborts it); the tokens go to the consumer's
         channel, which :meth:`attach` streams."""
+        channel = request.consumer if request.channel and request.consumer else None
+        first = True
+        async for outs in self._run(request, channel):
+            if first or channel is None:
+                first = False
+                yield outs
+            else:
+                self.channels.push(channel, outs)
+
+    async def submit(self, batch: AdmissionBatch) -> list[Admission]:
+        """Batched admission (:mod:`stages.admission`): start every request of the batch; answer
+        with each one's acceptance item (or its refusal). Their tokens, and an error met after the
+        acceptance, go to the consumer's channel; :meth:`abort` ends one, as does its consumer
+        dying."""
+        self.admission_calls += 1
+        self.admission_requests += len(batch.items)
+        return list(await asyncio.gather(*(self._admit(request) for request in batch.items)))
+
+    def _admit(self, request: EngineRequest) -> Awaitable[Admission]:
+        consumer = request.consumer
+        first_id = request.choice_ids()[0]
+
+        def rest(outs: list[EngineOutput]) -> None:
+            self.channels.push(consumer, outs)
+
+        def failed(exc: BaseException) -> None:
+            self.channels.push(consumer, [RoutedError(first_id, exc)])
+
+        return self.admitted.admit(first_id, self._run(request, consumer), rest, failed)
+
+    async def _run(self, request: EngineRequest, channel: str | None) -> AsyncIterator[list[EngineOutput]]:
+        """One request's outputs, with its consumer watched and its channel mailbox open."""
         self._check_alive()
         choices = tuple(request.choice_ids())
         key = (request.consumer, choices)
         self.consumers.add(request.consumer, key)
-        channel = request.consumer if request.channel and request.consumer else None
         if channel is not None:
             self.channels.open(channel)
         try:
-            first = True
             async for outs in self.async_engine.generate(request):
-                if first or channel is None:
-                    first = False
-                    yield outs
-                else:
-                    self.channels.push(channel, outs)
+                yield outs
         finally:
             if channel is not None:
                 self.channels.close(channel)
@@ -141,6 +176,9 @@ class EngineDeployment:
                             stats={**self.async_engine.snapshot(), **self.tracer.counters(),
                                    "consumer_gone_aborts": self.consumers.ended,
                                    "channel_mailboxes": len(self.channels),
+                                   "admitted_streams": len(self.admitted),
+                                   "admission_calls": self.admission_calls,
+                                   "admission_requests": self.admission_requests,
                                    "channel_pending": self.channels.num_pending(),
                                    "channel_batches": self.channels.batches_sent,
                                    "channel_items": self.channels.items_sent},

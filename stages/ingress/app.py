@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -30,6 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from stages.admission import AdmissionQueue, fire_and_forget
 from stages.channel import ChannelClient, FrameStream
 from stages.config import AppConfig
 from stages.errors import (
@@ -68,7 +70,16 @@ from stages.openai_schema import (
     parse_request,
     to_sampling_params,
 )
-from stages.protocol import AbortRequest, ChannelAttach, GenerationJob, PreprocessRequest, StreamSummary
+from stages.protocol import (
+    AbortRequest,
+    Admission,
+    AdmissionBatch,
+    ChannelAttach,
+    GenerationJob,
+    PreprocessRequest,
+    StreamStart,
+    StreamSummary,
+)
 from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -136,6 +147,10 @@ class Ingress:
         # The frames of every request on one Egress replica share one stream (stages.channel).
         self.frames = (ChannelClient(self._attach_egress, _egress_lost)
                        if self.cfg.engine.stream_channel and self.actor_name else None)
+        # The streamed requests of one loop turn go to Egress in one call (stages.admission).
+        self.admission: AdmissionQueue[GenerationJob] | None = (
+            AdmissionQueue(self._submit_jobs, on_orphan=self._cancel_orphan)
+            if self.frames is not None and self.cfg.engine.batch_admission else None)
         self.engine_liveness = EngineLiveness(directory)
         self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close)
         self._background = []
@@ -254,11 +269,19 @@ class Ingress:
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
             live.dispatched_at = time.perf_counter()
-            gen = self.egress_stream.stream.remote(job)
             deadline = self._deadline(live)
-            start = await asyncio.wait_for(first_item(gen), deadline - time.perf_counter() if deadline else None)
-            if inbox is not None and self.frames is not None:
-                gen = FrameStream(gen, inbox, self.frames, start.egress_replica)
+            timeout = deadline - time.perf_counter() if deadline else None
+            if inbox is not None and self.frames is not None and self.admission is not None:
+                # Batched admission: the start comes in a reply shared with this loop turn's other
+                # requests to Egress (stages.admission); giving up on it cancels the request there.
+                start = await asyncio.wait_for(self.admission.submit(job), timeout)
+                gen = FrameStream(None, inbox, self.frames, start.egress_replica,
+                                  on_cancel=self._cancel_job(start.egress_replica, engine_request.request_id))
+            else:
+                gen = self.egress_stream.stream.remote(job)
+                start = await asyncio.wait_for(first_item(gen), timeout)
+                if inbox is not None and self.frames is not None:
+                    gen = FrameStream(gen, inbox, self.frames, start.egress_replica)
             self.lifecycle.started(live, start)
             if req.stream:
                 return self._stream(gen, job, live)
@@ -275,6 +298,18 @@ class Ingress:
             live.status = err.status_code
             self.lifecycle.close(live, "timeout" if isinstance(err, RequestTimeoutError) else "error")
             return error_response(err, headers=self._id_headers(live))
+
+    async def _submit_jobs(self, jobs: list[GenerationJob]) -> list[Admission]:
+        return await self.egress.submit.remote(AdmissionBatch(jobs))
+
+    def _cancel_job(self, egress_replica: str, request_id: str) -> Callable[[], None]:
+        """Cancels one batch-admitted job on the Egress replica running it (the engine aborts it)."""
+        cancel = AbortRequest(egress_replica, [request_id])
+        return lambda: fire_and_forget(lambda: self.egress.cancel.remote(cancel), "egress cancel")
+
+    def _cancel_orphan(self, job: GenerationJob, start: StreamStart) -> None:
+        """A job admitted after this replica gave up on it (client gone, timeout): cancel it."""
+        self._cancel_job(start.egress_replica, job.engine_request.request_id)()
 
     def _attach_egress(self, replica: str) -> Any:
         return self.egress_stream.attach.remote(ChannelAttach(replica, self.actor_name))
