@@ -11,13 +11,17 @@ consumer replica, whatever the batch size. Two hops use it:
 - **Egress → Ingress**: :class:`~stages.protocol.RoutedFrame` items (a request's SSE frames and
   its summary, in order; :class:`FrameInbox` on the Ingress side).
 
-What stays per request: each request keeps its own stream for *control*. It carries the
-acceptance (or the refusal: a full queue is still retried elsewhere), cancelling it cancels the
-request downstream (the engine aborts it), it fails when the producer replica dies, and the
-producer's consumer watch ends it when the consumer replica dies (:mod:`stages.liveness`). Only
-the data moves: after the acceptance item the producer puts the request's items in its consumer's
-mailbox (:class:`ChannelHub`), and the consumer's ``attach`` stream to that replica drains the
-mailbox, everything that accumulated in one :class:`~stages.protocol.ChannelBatch`. The
+What stays per request is *control*: the acceptance (or the refusal: a full queue is still
+retried elsewhere), cancellation, and failure. With batched admission (:mod:`stages.admission`,
+the default) the acceptance comes in the reply of a ``submit`` call shared with other requests,
+cancellation is an explicit cancel or abort by id, an error after the acceptance is a
+:class:`~stages.protocol.RoutedError` in the channel, and a dead producer fails its channel.
+Without it each request keeps its own stream for control: it carries the acceptance, cancelling it
+cancels the request downstream, and it fails when the producer replica dies. Either way the
+producer's consumer watch ends a request whose consumer replica died (:mod:`stages.liveness`), and
+only the data moves through the channel: after the acceptance the producer puts the request's items
+in its consumer's mailbox (:class:`ChannelHub`), and the consumer's ``attach`` stream to that
+replica drains the mailbox, everything that accumulated in one :class:`~stages.protocol.ChannelBatch`. The
 consumer's :class:`ChannelClient` opens one attach per producer replica it has requests on and
 hands each item to its request's inbox.
 

@@ -10,12 +10,15 @@ accepted the request (with the engine replica that runs it, for cancel by id), o
 :class:`StreamFrame` per SSE event, and a :class:`StreamSummary` (holding the whole body when the
 client did not stream). Both hops use the shared channels of :mod:`stages.channel` by default: the
 engine's tokens arrive in one item per step for all of this replica's requests, and the frames go
-to each Ingress replica in one item for all of its requests; each request's own streams carry only
-its start, its cancellation and its failure.
+to each Ingress replica in one item for all of its requests. Requests come and go in batches
+(:mod:`stages.admission`): Ingress's streamed jobs arrive in ``submit`` calls, each job then runs
+as a task of its own (``cancel`` ends one by id), and the engine requests of one loop turn leave
+in one ``submit`` call to the engine, whose reply carries their acceptances.
 
 Abort paths that start here: a stop string found in one choice's text (the engine cannot see
 text) aborts that choice alone, by id, on the engine replica that runs it; the caller going away
-(cancellation arrives as ``CancelledError``) closes the engine stream, which aborts every choice.
+(cancellation arrives as ``CancelledError``, or as a ``cancel`` by id for a batch-admitted job)
+closes the engine stream, which aborts every choice.
 
 A full engine queue (429) is retried on another engine replica before the client sees it: the
 refusing replica goes into ``avoid_replicas`` and the router tries the others first.

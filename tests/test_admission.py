@@ -59,6 +59,28 @@ async def test_requests_of_one_loop_turn_share_a_call_and_get_their_own_answers(
 
 
 @run_async
+async def test_with_a_call_in_flight_requests_wait_a_window_for_each_other() -> None:
+    """Idle: a request goes at the end of its loop turn. During a burst (an answer outstanding),
+    requests a few milliseconds apart share a call; the window bounds how long they wait."""
+    callee = FakeCallee(delay=0.2)
+    queue: AdmissionQueue[str] = AdmissionQueue(callee.send, window_s=0.02)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    first = queue.submit("a")
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert callee.batches == [["a"]]  # nothing in flight: no wait
+    later = [queue.submit("b")]
+    await asyncio.sleep(0.005)
+    later.append(queue.submit("c"))
+    assert callee.batches == [["a"]]
+    await asyncio.sleep(0.03)
+    assert callee.batches == [["a"], ["b", "c"]]
+    assert await asyncio.gather(first, *later) == ["ok:a", "ok:b", "ok:c"]
+    assert loop.time() - t0 < 0.5
+
+
+@run_async
 async def test_batches_are_split_by_key_and_size() -> None:
     callee = FakeCallee()
     queue: AdmissionQueue[str] = AdmissionQueue(callee.send, key=lambda x: x[0], max_batch=2)

@@ -13,7 +13,14 @@ import httpx
 
 from stages.engine.errors import RequestRejectedError
 from stages.errors import unwrap_error
-from stages.protocol import AbortRequest, AdmissionBatch, ChannelAttach, EngineOutput, EngineRequest, SamplingParams
+from stages.protocol import (
+    AbortRequest,
+    AdmissionBatch,
+    ChannelAttach,
+    EngineOutput,
+    EngineRequest,
+    SamplingParams,
+)
 from tests.conftest import MODEL_NAME, _handle_loop
 from tests.test_cancellation import assert_no_leaks, wait_idle
 from tests.test_streaming import SSE, check_framing, stream_sse, streamed_text

@@ -1,9 +1,11 @@
 """The Engine deployment: a thin Ray Serve adapter around :class:`AsyncEngine`.
 
 One replica per GPU (CPU fallback). The step loop runs on its own thread inside the replica;
-``generate`` streams all choices of a request, coalesced, or (``request.channel``) only their
-acceptance, while the tokens go to the consumer's mailbox, which ``attach`` streams: one item per
-step for all of that Egress replica's requests (:mod:`stages.channel`). Cancelling the stream (the caller went
+``submit`` admits a batch of requests in one call (:mod:`stages.admission`) and answers with each
+one's acceptance, while their tokens go to the consumer's mailbox, which ``attach`` streams: one
+item per step for all of that Egress replica's requests (:mod:`stages.channel`). ``generate`` is
+the per-request path: it streams all choices of a request, coalesced, or (``request.channel``)
+only their acceptance. Cancelling the stream (the caller went
 away, or a stop string ended every choice) runs ``AsyncEngine.generate``'s ``finally``, which
 aborts the request by id so its blocks are free at the next step (and a stream whose reading Egress
 replica died is aborted by :class:`stages.liveness.ConsumerWatch`, since a killed caller cancels
