@@ -167,7 +167,14 @@ class AdmittedStreams:
         # A fresh context: the stream outlives the batch call that started it.
         task = loop.create_task(self._drive(stream, first, rest, failed), context=contextvars.Context())
         self._tasks[key] = task
-        task.add_done_callback(lambda t: self._tasks.pop(key, None) if self._tasks.get(key) is t else None)
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._tasks.get(key) is t:
+                del self._tasks[key]
+            if not first.done():  # cancelled before ``_drive`` ever ran: the answer must not hang
+                first.set_exception(RuntimeError("the request was cancelled before it was accepted"))
+
+        task.add_done_callback(done)
         try:
             return Admission(item=await asyncio.shield(first))
         except Exception as exc:  # noqa: BLE001 - the refusal goes back as the request's answer

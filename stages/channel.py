@@ -246,12 +246,15 @@ class FrameInbox(_Slot):
 
     def __init__(self, request_id: str) -> None:
         super().__init__([request_id])
+        #: The request ended in Egress with an error it sent (not a lost channel).
+        self.ended_by_producer = False
 
     async def __anext__(self) -> Any:
         """The next frame or summary."""
         await self._wait()
         item: RoutedFrame = self._pending.pop(0)
         if item.error is not None:
+            self.ended_by_producer = True
             raise item.error
         return item.item
 
@@ -404,9 +407,10 @@ class FrameStream:
     async def __anext__(self) -> Any:
         try:
             item = await self._inbox.__anext__()
-        except BaseException as exc:
-            # An error Egress sent ended the request there; a cancelled wait did not.
-            self._ended = not isinstance(exc, asyncio.CancelledError)
+        except BaseException:
+            # An error Egress sent ended the request there; a cancelled wait or a lost channel
+            # (Egress may still be running it) did not: cancel() still sends the cancel.
+            self._ended = self._ended or self._inbox.ended_by_producer
             self._client.unregister(self._inbox)
             raise
         if isinstance(item, StreamSummary):

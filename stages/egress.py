@@ -292,7 +292,7 @@ class EgressDeployment:
         self.channel = ChannelClient(self._attach, _channel_lost) if stream_channel and self.name else None
         # The engine requests this replica sends in one loop turn share one call (stages.admission).
         self.admission: AdmissionQueue[EngineRequest] | None = (
-            AdmissionQueue(self._submit, key=lambda r: tuple(r.avoid_replicas), on_orphan=self._abort_orphan)
+            AdmissionQueue(self._submit, key=_admission_key, on_orphan=self._abort_orphan)
             if batch_admission and self.channel is not None else None)
         #: Jobs Ingress admitted in batches (:meth:`submit`), each running as its own task.
         self.admitted = AdmittedStreams()
@@ -472,6 +472,13 @@ class EgressDeployment:
             if channel is not None:
                 self.frames.close(channel)
             self.consumers.discard(job.consumer, key)
+
+
+def _admission_key(req: EngineRequest) -> tuple[Any, ...]:
+    """What may share an engine ``submit`` call: requests avoiding the same replicas (the router
+    places a call as a whole); a structured-output request goes alone (its acceptance waits for its
+    grammar's matcher, and would hold up the others')."""
+    return (tuple(req.avoid_replicas), req.request_id if req.grammar is not None else "")
 
 
 def _channel_lost(replica: str) -> BaseException:

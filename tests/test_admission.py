@@ -270,3 +270,31 @@ async def test_a_batch_admitted_frame_stream_cancels_once_and_not_after_its_summ
     assert await finished.__anext__() is summary
     finished.cancel()  # the request has ended in Egress: nothing to cancel
     assert cancels == ["r1"]
+
+
+@run_async
+async def test_a_stream_cancelled_before_it_ever_ran_answers_instead_of_hanging() -> None:
+    streams = AdmittedStreams()
+    admit = asyncio.create_task(streams.admit("r1", _stream(["start"]), list().append, list().append))
+    await asyncio.sleep(0)  # admit has created the stream's task, which has not run yet
+    assert streams.cancel("r1")
+    answer = await asyncio.wait_for(admit, 1.0)
+    assert isinstance(answer.error, RuntimeError) and len(streams) == 0
+
+
+@run_async
+async def test_a_lost_channel_still_lets_the_frame_stream_cancel_the_job() -> None:
+    """A channel that failed (attach error, Egress replica looks gone) is not the job ending in
+    Egress: cancelling afterwards still sends the cancel (a no-op if Egress is really gone)."""
+    async def attach(replica: str) -> AsyncIterator[ChannelBatch]:
+        yield ChannelBatch(replica, [])
+        raise ConnectionError("attach failed")
+
+    client = ChannelClient(attach, lambda r: RuntimeError(r))
+    cancels: list[str] = []
+    inbox = client.register_frames("r1")
+    stream = FrameStream(None, inbox, client, "g1", on_cancel=lambda: cancels.append("r1"))
+    with pytest.raises(ConnectionError):
+        await stream.__anext__()
+    stream.cancel()
+    assert cancels == ["r1"]

@@ -102,6 +102,13 @@ def validate_request_id(value: str | None) -> str | None:
     return value
 
 
+def _admission_key(job: GenerationJob) -> str:
+    """A structured-output request's acceptance waits for its grammar's matcher in the engine: it
+    goes in a call of its own, so it holds up no one else's."""
+    req = job.engine_request
+    return req.request_id if req.grammar is not None else ""
+
+
 def _egress_lost(replica: str) -> BaseException:
     return EngineUnavailableError(f"The Egress replica {replica} was lost before the request finished. Retry.")
 
@@ -149,7 +156,7 @@ class Ingress:
                        if self.cfg.engine.stream_channel and self.actor_name else None)
         # The streamed requests of one loop turn go to Egress in one call (stages.admission).
         self.admission: AdmissionQueue[GenerationJob] | None = (
-            AdmissionQueue(self._submit_jobs, on_orphan=self._cancel_orphan)
+            AdmissionQueue(self._submit_jobs, key=_admission_key, on_orphan=self._cancel_orphan)
             if self.frames is not None and self.cfg.engine.batch_admission else None)
         self.engine_liveness = EngineLiveness(directory)
         self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close)
@@ -231,6 +238,7 @@ class Ingress:
         span.set_attribute("lifecycle.request_id", live.request_id)
         gen: Any = None
         inbox = None
+        accepted: asyncio.Future[Any] | None = None
         try:
             validate_request_id(label)
             if label is not None:
@@ -274,7 +282,8 @@ class Ingress:
             if inbox is not None and self.frames is not None and self.admission is not None:
                 # Batched admission: the start comes in a reply shared with this loop turn's other
                 # requests to Egress (stages.admission); giving up on it cancels the request there.
-                start = await asyncio.wait_for(self.admission.submit(job), timeout)
+                accepted = self.admission.submit(job)
+                start = await asyncio.wait_for(accepted, timeout)
                 gen = FrameStream(None, inbox, self.frames, start.egress_replica,
                                   on_cancel=self._cancel_job(start.egress_replica, engine_request.request_id))
             else:
@@ -289,6 +298,10 @@ class Ingress:
         except BaseException as exc:
             if gen is not None:
                 gen.cancel()
+            elif accepted is not None and accepted.done() and not accepted.cancelled() and accepted.exception() is None:
+                # Accepted in the very turn the client left (or the deadline hit): the start was
+                # never taken, and the queue's on_orphan only sees futures given up before it.
+                self._cancel_orphan(job, accepted.result())
             if inbox is not None and self.frames is not None:
                 self.frames.unregister(inbox)
             if isinstance(exc, asyncio.CancelledError):
