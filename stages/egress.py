@@ -268,7 +268,9 @@ class Egress:
 
 
 @serve.deployment(name="Egress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25},
-                  request_router_config=RequestRouterConfig(request_router_class="stages.routing.EgressRouter"))
+                  request_router_config=RequestRouterConfig(request_router_class="stages.routing.EgressRouter",
+                                                            request_routing_stats_period_s=1.0,
+                                                            request_routing_stats_timeout_s=5.0))
 class EgressDeployment:
     """CPU stage between the engine and Ingress; scale it with ``num_replicas``."""
 
@@ -296,6 +298,7 @@ class EgressDeployment:
             if batch_admission and self.channel is not None else None)
         #: Jobs Ingress admitted in batches (:meth:`submit`), each running as its own task.
         self.admitted = AdmittedStreams()
+        self._routing_seq = 0
         #: Each Ingress replica's mailbox: the frames of its channel requests (stages.channel).
         self.replica = own_replica_id()
         self.frames = ChannelHub(self.replica)
@@ -388,6 +391,11 @@ class EgressDeployment:
     async def ping(self) -> bool:
         """Liveness for the app's ``/health``."""
         return True
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What :class:`stages.routing.EgressRouter` places batches of jobs by (Serve calls this)."""
+        self._routing_seq += 1
+        return {"admitted_jobs": len(self.admitted), "seq": self._routing_seq}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """What :func:`stages.autoscaling.stage_policy` corrects Serve's count of ongoing requests

@@ -173,10 +173,26 @@ def _engine_requests(msg: Any) -> list[EngineRequest]:
     return []
 
 
+def jobs_order(loads: dict[str, float]) -> list[str]:
+    """Egress replica ids from least to most loaded. ``loads``: the jobs running on each as last
+    reported, plus what this router sent it since (only that before its first report: a new
+    replica is likely empty, and should take work)."""
+    return sorted(loads, key=lambda r: loads[r])
+
+
 class EgressRouter(RequestRouter):
     """Serve ``RequestRouter`` for Egress: an Ingress replica's :class:`ChannelAttach` and its
-    :class:`AbortRequest` (cancelling batch-admitted jobs) go to the Egress replica they name;
-    every other call to the least busy replica (Serve's queue lengths)."""
+    :class:`AbortRequest` (cancelling batch-admitted jobs) go to the Egress replica they name.
+
+    An :class:`AdmissionBatch` of jobs goes to the replica running the fewest: once their
+    ``submit`` call has returned, jobs are no longer Serve requests, so Serve's queue lengths (what
+    its default router compares) count only attaches and calls in flight. Each replica reports its
+    running jobs (``record_routing_stats``); between reports the router adds what it sent itself.
+    Every other call goes to the least busy replica by Serve's queue lengths."""
+
+    def initialize_state(self, **_: Any) -> None:
+        #: replica id → (report seq, jobs this router sent since that report)
+        self._sent: dict[str, tuple[int, int]] = {}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -184,4 +200,22 @@ class EgressRouter(RequestRouter):
         if isinstance(msg, ChannelAttach | AbortRequest):
             target = [r for r in candidate_replicas if r.replica_id.unique_id == msg.replica]
             return [target or candidate_replicas[:1]]  # elsewhere: its first item says so; a no-op
-        return [candidate_replicas]
+        if not isinstance(msg, AdmissionBatch) or len(candidate_replicas) < 2:
+            return [candidate_replicas]
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = {}
+        for rid, r in by_id.items():
+            stats = r.routing_stats or {}
+            seq, sent = self._sent.get(rid, (-1, 0))
+            if "admitted_jobs" in stats and int(stats.get("seq", 0)) != seq:
+                self._sent[rid] = (int(stats.get("seq", 0)), 0)  # a fresh report counts what we sent
+                sent = 0
+            loads[rid] = float(stats.get("admitted_jobs", 0)) + sent
+        return [[by_id[rid]] for rid in jobs_order(loads)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        msg = pending_request.args[0] if pending_request.args else None
+        if isinstance(msg, AdmissionBatch):
+            rid = replica_id.unique_id
+            seq, sent = self._sent.get(rid, (-1, 0))
+            self._sent[rid] = (seq, sent + len(msg.items))

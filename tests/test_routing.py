@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
 from stages.directory import LiveDirectory
-from stages.protocol import EngineReport, LiveEntry
-from stages.routing import FULL, ReplicaLoad, prefix_key, rank, start_cost
+from stages.protocol import AbortRequest, AdmissionBatch, EngineReport, LiveEntry
+from stages.routing import FULL, EgressRouter, ReplicaLoad, jobs_order, prefix_key, rank, start_cost
 
 
 def load(waiting: int = 0, running: int = 0, free: int = 100, max_seqs: int = 8, max_waiting: int = 16) -> ReplicaLoad:
@@ -100,3 +104,31 @@ def test_stale_engine_reports_drop_out():
     r, at = d._reports["e1"]
     d._reports["e1"] = (r, at - 10)
     assert [x.replica for x in d.engine_reports()] == ["e2"]
+
+
+def test_jobs_go_to_the_egress_replica_running_fewest():
+    assert jobs_order({"a": 5.0, "b": 2.0, "c": 9.0}) == ["b", "a", "c"]
+
+
+def test_egress_router_places_job_batches_by_reported_jobs_plus_what_it_sent_since():
+    """Batch-admitted jobs are not Serve requests once admitted: the router ranks Egress replicas
+    by the jobs they report, counts its own sends until the next report, and still sends a cancel
+    to the replica it names."""
+    def replica(uid: str, jobs: int, seq: int) -> Any:
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid),
+                               routing_stats={"admitted_jobs": jobs, "seq": seq})
+
+    router = SimpleNamespace(_sent={})
+    jobs = AdmissionBatch(items=[object()] * 8)
+
+    def choose(candidates: list[Any], msg: Any) -> list[str]:
+        ranked = asyncio.run(EgressRouter.choose_replicas(router, candidates, SimpleNamespace(args=[msg])))
+        return [group[0].replica_id.unique_id for group in ranked]
+
+    a, b = replica("a", 5, 1), replica("b", 1, 1)
+    assert choose([a, b], jobs) == ["b", "a"]
+    EgressRouter.on_request_routed(router, SimpleNamespace(args=[jobs]), b.replica_id, None)
+    assert choose([a, b], jobs) == ["a", "b"]  # 5 against 1 + 8 sent since b's report
+    b.routing_stats = {"admitted_jobs": 2, "seq": 2}  # a fresh report already counts them
+    assert choose([a, b], jobs) == ["b", "a"]
+    assert choose([a, b], AbortRequest("a", ["r1"])) == ["a"]
