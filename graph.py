@@ -12,7 +12,7 @@ from ray.serve import Application
 
 from stages.config import AppConfig
 from stages.directory import DirectoryDeployment
-from stages.egress import EgressDeployment
+from stages.egress_deployment import EgressDeployment
 from stages.engine.deployment import EngineDeployment
 from stages.ingress import Ingress
 from stages.preprocess import PreprocessDeployment

@@ -99,7 +99,7 @@ def _build(stage: str, model: str) -> tuple[Any, str, Any]:
         return (PreprocessDeployment.options(num_replicas=1).bind(model, 0, None, None), "Preprocess",
                 lambda h: list(h.options(stream=True).tokenize.remote(body)))  # replies in parts
     if stage == "egress":
-        from stages.egress import EgressDeployment
+        from stages.egress_deployment import EgressDeployment
 
         return (EgressDeployment.options(num_replicas=1).bind(_stub_engine(), model, None), "Egress",
                 lambda h: h.ping.remote().result())
@@ -111,7 +111,7 @@ def _build(stage: str, model: str) -> tuple[Any, str, Any]:
 def _build_hf(stage: str, model: str) -> tuple[Any, str, Any]:
     """The same stage with transformers' AutoTokenizer, as every CPU stage loaded it before
     ``stages/tokenizer.py``: the "before" column, measured side by side in the same Ray session."""
-    from stages.egress import EgressDeployment
+    from stages.egress_deployment import EgressDeployment
     from stages.preprocess import PreprocessDeployment
 
     def with_transformers() -> None:

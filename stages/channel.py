@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -368,20 +368,23 @@ def _watch(gen: Any, inbox: Any) -> asyncio.Task[None]:
     return asyncio.get_running_loop().create_task(watch_control(gen, inbox))
 
 
-async def engine_items(gen: Any, inbox: Inbox, client: ChannelClient) -> AsyncIterator[list[EngineOutput]]:
-    """Egress's view of a channel request: the acceptance from its own engine stream, then its
-    outputs as the channel delivers them, one merged list per wake-up."""
-    first = await gen.__anext__()
+async def engine_items(accepted: Awaitable[list[EngineOutput]], inbox: Inbox, client: ChannelClient,
+                       control: Any = None) -> AsyncIterator[list[EngineOutput]]:
+    """Egress's view of a channel request: its acceptance (the first item of its own engine
+    stream ``control``, or a batch call's answer), then its outputs as the channel delivers them,
+    one merged list per wake-up. A ``control`` stream is watched: its failure fails the request."""
+    first = await accepted
     inbox.note(first)
     client.bind(inbox, first[0].replica or "")
-    watch = _watch(gen, inbox)
+    watch = _watch(control, inbox) if control is not None else None
     try:
         yield first
         while not inbox.done:
             yield await inbox.get()
-        # The engine ends a request's stream only after its final output: nothing is lost.
+        # The engine ends a request only after its final output: nothing is lost.
     finally:
-        watch.cancel()
+        if watch is not None:
+            watch.cancel()
 
 
 class FrameStream:

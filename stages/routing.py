@@ -112,8 +112,7 @@ class EngineRouter(RequestRouter):
         self.affinity_slack = affinity_slack
         self.affinity_entries = affinity_entries
         self._affinity: OrderedDict[int, str] = OrderedDict()
-        #: replica id → (report seq, requests this router sent since that report)
-        self._sent: dict[str, tuple[int, int]] = {}
+        self._sent = SentSinceReport()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -147,8 +146,7 @@ class EngineRouter(RequestRouter):
         requests = _engine_requests(pending_request.args[0] if pending_request.args else None)
         rid = replica_id.unique_id
         for msg in requests:
-            seq, sent = self._sent.get(rid, (-1, 0))
-            self._sent[rid] = (seq, sent + msg.n)
+            self._sent.add(rid, msg.n)
             key = prefix_key(msg.prompt_token_ids)
             if key is not None:
                 self._affinity[key] = rid
@@ -157,11 +155,28 @@ class EngineRouter(RequestRouter):
                     self._affinity.popitem(last=False)
 
     def _sent_since(self, rid: str, load: ReplicaLoad | None) -> int:
-        seq, sent = self._sent.get(rid, (-1, 0))
-        if load is not None and load.seq != seq:
-            self._sent[rid] = (load.seq, 0)  # a fresh report already counts what we sent before it
+        return self._sent.count(rid, load.seq if load is not None else None)
+
+
+class SentSinceReport:
+    """What this router sent each replica since that replica's last report. Reports are numbered:
+    a report with a new number already counts what was sent before it, so the count restarts."""
+
+    def __init__(self) -> None:
+        #: replica id → (number of the report last seen, requests sent since)
+        self._sent: dict[str, tuple[int, int]] = {}
+
+    def count(self, replica: str, report_seq: int | None) -> int:
+        """Requests sent since the report numbered ``report_seq`` (``None``: no report yet)."""
+        seq, sent = self._sent.get(replica, (-1, 0))
+        if report_seq is not None and report_seq != seq:
+            self._sent[replica] = (report_seq, 0)
             return 0
         return sent
+
+    def add(self, replica: str, n: int) -> None:
+        seq, sent = self._sent.get(replica, (-1, 0))
+        self._sent[replica] = (seq, sent + n)
 
 
 def _engine_requests(msg: Any) -> list[EngineRequest]:
@@ -171,13 +186,6 @@ def _engine_requests(msg: Any) -> list[EngineRequest]:
     if isinstance(msg, AdmissionBatch):
         return [r for r in msg.items if isinstance(r, EngineRequest)]
     return []
-
-
-def jobs_order(loads: dict[str, float]) -> list[str]:
-    """Egress replica ids from least to most loaded. ``loads``: the jobs running on each as last
-    reported, plus what this router sent it since (only that before its first report: a new
-    replica is likely empty, and should take work)."""
-    return sorted(loads, key=lambda r: loads[r])
 
 
 class EgressRouter(RequestRouter):
@@ -191,8 +199,7 @@ class EgressRouter(RequestRouter):
     Every other call goes to the least busy replica by Serve's queue lengths."""
 
     def initialize_state(self, **_: Any) -> None:
-        #: replica id → (report seq, jobs this router sent since that report)
-        self._sent: dict[str, tuple[int, int]] = {}
+        self._sent = SentSinceReport()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -205,17 +212,13 @@ class EgressRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {}
         for rid, r in by_id.items():
+            # Before its first report a replica counts what we sent it: a new one is likely empty.
             stats = r.routing_stats or {}
-            seq, sent = self._sent.get(rid, (-1, 0))
-            if "admitted_jobs" in stats and int(stats.get("seq", 0)) != seq:
-                self._sent[rid] = (int(stats.get("seq", 0)), 0)  # a fresh report counts what we sent
-                sent = 0
-            loads[rid] = float(stats.get("admitted_jobs", 0)) + sent
-        return [[by_id[rid]] for rid in jobs_order(loads)]
+            seq = int(stats["seq"]) if "admitted_jobs" in stats else None
+            loads[rid] = float(stats.get("admitted_jobs", 0)) + self._sent.count(rid, seq)
+        return [[by_id[rid]] for rid in sorted(loads, key=loads.__getitem__)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         msg = pending_request.args[0] if pending_request.args else None
         if isinstance(msg, AdmissionBatch):
-            rid = replica_id.unique_id
-            seq, sent = self._sent.get(rid, (-1, 0))
-            self._sent[rid] = (seq, sent + len(msg.items))
+            self._sent.add(replica_id.unique_id, len(msg.items))
