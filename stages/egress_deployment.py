@@ -19,7 +19,8 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from stages.admission import AdmissionQueue, AdmittedStreams, fire_and_forget
-from stages.channel import ChannelClient, ChannelHub, engine_items
+from stages.channel import ChannelHub
+from stages.channel_client import ChannelClient, engine_items
 from stages.egress import Egress, EngineStream
 from stages.errors import EngineUnavailableError
 from stages.liveness import ConsumerWatch, own_actor_name, own_replica_id
@@ -66,7 +67,8 @@ class EgressDeployment:
         self.consumers = ConsumerWatch(self._consumer_gone)
         # The tokens of every request on one engine replica share one stream (stages.channel);
         # it needs our actor name, which the engine keys the mailbox by.
-        self.channel = ChannelClient(self._attach, _channel_lost) if stream_channel and self.name else None
+        self.channel = (ChannelClient(self._attach, _channel_lost, on_stray=self._abort_stray)
+                        if stream_channel and self.name else None)
         # The engine requests this replica sends in one loop turn share one call (stages.admission).
         self.admission: AdmissionQueue[EngineRequest] | None = (
             AdmissionQueue(self._submit, key=_admission_key, on_orphan=self._abort_orphan)
@@ -96,7 +98,7 @@ class EgressDeployment:
             if self._engine_calls.get(req.request_id) is cancel:
                 del self._engine_calls[req.request_id]
             if inbox is not None and channel is not None:
-                channel.unregister(inbox)
+                channel.unregister(inbox, aborted=True)  # cancelling the call aborted it
 
         if inbox is None or channel is None:
             return EngineStream(gen, close)
@@ -109,20 +111,25 @@ class EgressDeployment:
         inbox = channel.register(req.choice_ids())
         accepted = admission.submit(dataclasses.replace(req, consumer=self.name, channel=True))
 
-        def cancel() -> None:
-            """End it in the engine: an abort by id once accepted; else when it is (``on_orphan``)."""
+        def cancel() -> bool:
+            """End it in the engine: an abort by id once accepted; else when it is (``on_orphan``).
+            False when its acceptance failed: refused (nothing runs), or the batch call failed
+            as a whole, when the replica that may run it is known only from its channel items."""
             if not accepted.done():
                 accepted.cancel()
-            elif not accepted.cancelled() and accepted.exception() is None and not inbox.done:
+            elif accepted.cancelled() or accepted.exception() is not None:
+                return accepted.cancelled()
+            elif not inbox.done:
                 self._abort_soon(AbortRequest(accepted.result()[0].replica or "", req.choice_ids()))
+            return True
 
         self._engine_calls[req.request_id] = cancel
 
         async def close() -> None:
-            cancel()
+            aborted = cancel()
             if self._engine_calls.get(req.request_id) is cancel:
                 del self._engine_calls[req.request_id]
-            channel.unregister(inbox)
+            channel.unregister(inbox, aborted=aborted)
 
         return EngineStream(engine_items(accepted, inbox, channel), close)
 
@@ -131,6 +138,9 @@ class EgressDeployment:
 
     def _abort_orphan(self, req: EngineRequest, accepted: list[EngineOutput]) -> None:
         self._abort_soon(AbortRequest(accepted[0].replica or "", req.choice_ids()))
+
+    def _abort_stray(self, replica: str, request_id: str) -> None:
+        self._abort_soon(AbortRequest(replica, [request_id]))
 
     def _abort_soon(self, req: AbortRequest) -> None:
         fire_and_forget(lambda: self.engine.abort.remote(req), "engine abort")

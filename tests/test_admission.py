@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from stages.admission import AdmissionQueue, AdmittedStreams, fire_and_forget
-from stages.channel import ChannelClient, FrameStream, merge_channel_items
+from stages.channel import merge_channel_items
+from stages.channel_client import ChannelClient, FrameStream
 from stages.protocol import Admission, ChannelBatch, EngineOutput, RoutedError, StreamSummary
 
 REQUEST = contextvars.ContextVar("REQUEST", default="")

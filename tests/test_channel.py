@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from stages.channel import MAX_BATCH_ITEMS, ChannelClient, ChannelHub, FrameStream, Inbox, merge_group
+from stages.channel import MAX_BATCH_ITEMS, ChannelHub, merge_group
+from stages.channel_client import ChannelClient, FrameStream, Inbox
 from stages.protocol import ChannelBatch, EngineOutput, RoutedFrame, StreamFrame, StreamSummary
 
 
@@ -338,3 +339,51 @@ async def test_a_consumer_far_behind_gets_its_backlog_in_bounded_batches_in_orde
     first, second = await anext(stream), await anext(stream)
     assert [len(first.items), len(second.items)] == [MAX_BATCH_ITEMS, 44]
     assert [f.item.data for f in first.items + second.items] == [str(i) for i in range(MAX_BATCH_ITEMS + 44)]
+
+
+# -- items nobody waits for: the request is ended where it runs, once ----------------------------------
+@run_async
+async def test_an_item_no_request_waits_for_ends_its_request_in_the_producer_once() -> None:
+    """A batch call that failed as a whole leaves its requests running on a replica the caller
+    never learned. Their items name it: each such request is aborted there, once, while the
+    requests still waited for get their items; ended requests and ones whose owner already
+    aborted them cost nothing."""
+    hub = ChannelHub("engine-A", merge=list, linger_s=0.05)
+    strays: list[tuple[str, str]] = []
+    client = ChannelClient(lambda replica: hub.attach("egress-1"), LostError,
+                           on_stray=lambda replica, rid: strays.append((replica, rid)))
+    lost, cancelled, finished = client.register(["lost"]), client.register(["cancelled"]), client.register(["done"])
+    client.unregister(lost)  # its acceptance failed: whether it runs is unknown
+    client.unregister(cancelled, aborted=True)  # its owner has aborted it
+    client.unregister(finished)
+    live = client.register(["live"])
+    for _ in range(4):
+        hub.open("egress-1")
+    client.bind(live, "engine-A")
+    hub.push("egress-1", [out("lost", 1), out("cancelled", 2), out("done", 3, finish="stop"), out("live", 4)])
+    hub.push("egress-1", [out("lost", 5), out("live", 6, finish="length")])
+    assert await drain(live) == [4, 6]
+    await asyncio.sleep(0.01)
+    assert strays == [("engine-A", "lost")], "one abort, to the replica that sent the items"
+    assert client.strays_aborted == 1
+
+
+@run_async
+async def test_frames_of_a_job_nobody_waits_for_cancel_it_unless_they_end_it() -> None:
+    async def attach(replica: str) -> AsyncIterator[ChannelBatch]:
+        yield ChannelBatch(replica, [])
+        yield ChannelBatch(replica, [
+            RoutedFrame("running", item=StreamFrame("data: x\n\n", 0, 1)),
+            RoutedFrame("ended", item=StreamSummary(1, 1, 0, ["stop"], {}, 0.0)),
+            RoutedFrame("failed", error=RuntimeError("boom")),
+            RoutedFrame("waited", item=StreamFrame("data: y\n\n", 0, 1))])
+        await asyncio.Event().wait()
+
+    strays: list[tuple[str, str]] = []
+    client = ChannelClient(attach, LostError, on_stray=lambda replica, rid: strays.append((replica, rid)))
+    waited = client.register_frames("waited")
+    stream = FrameStream(None, waited, client, "egress-B", on_cancel=lambda: None)
+    frame = await asyncio.wait_for(stream.__anext__(), 5)
+    assert frame.data == "data: y\n\n"
+    assert strays == [("egress-B", "running")]
+    stream.cancel()

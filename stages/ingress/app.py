@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from stages.admission import AdmissionQueue, fire_and_forget
-from stages.channel import ChannelClient, FrameStream
+from stages.channel_client import ChannelClient, FrameStream
 from stages.config import AppConfig
 from stages.errors import (
     EngineUnavailableError,
@@ -152,7 +152,7 @@ class Ingress:
         self.replica = own_replica_id()
         self.actor_name = own_actor_name()  # Egress ends our streams if this replica dies
         # The frames of every request on one Egress replica share one stream (stages.channel).
-        self.frames = (ChannelClient(self._attach_egress, _egress_lost)
+        self.frames = (ChannelClient(self._attach_egress, _egress_lost, on_stray=self._cancel_stray)
                        if self.cfg.engine.stream_channel and self.actor_name else None)
         # The streamed requests of one loop turn go to Egress in one call (stages.admission).
         self.admission: AdmissionQueue[GenerationJob] | None = (
@@ -303,7 +303,11 @@ class Ingress:
                 # never taken, and the queue's on_orphan only sees futures given up before it.
                 self._cancel_orphan(job, accepted.result())
             if inbox is not None and self.frames is not None:
-                self.frames.unregister(inbox)
+                # A batch call that failed as a whole leaves it unknown whether Egress runs the
+                # job: then its frames, if any come, cancel it there (ChannelClient.on_stray).
+                refused = (accepted is not None and accepted.done() and not accepted.cancelled()
+                           and accepted.exception() is not None)
+                self.frames.unregister(inbox, aborted=not refused)
             if isinstance(exc, asyncio.CancelledError):
                 self.lifecycle.close(live, "client_gone")
                 raise
@@ -319,6 +323,9 @@ class Ingress:
         """Cancels one batch-admitted job on the Egress replica running it (the engine aborts it)."""
         cancel = AbortRequest(egress_replica, [request_id])
         return lambda: fire_and_forget(lambda: self.egress.cancel.remote(cancel), "egress cancel")
+
+    def _cancel_stray(self, egress_replica: str, request_id: str) -> None:
+        self._cancel_job(egress_replica, request_id)()
 
     def _cancel_orphan(self, job: GenerationJob, start: StreamStart) -> None:
         """A job admitted after this replica gave up on it (client gone, timeout): cancel it."""
