@@ -41,5 +41,5 @@ def build_app_with_options(args: dict[str, Any] | None = None,
     preprocess = deployment(PreprocessDeployment).bind(cfg.model, cfg.engine.max_model_len, tracing, directory,
                                                        cfg.structured_outputs.model_dump())
     egress = deployment(EgressDeployment).bind(engine, cfg.model, tracing, cfg.engine.stream_channel,
-                                              cfg.engine.batch_admission)
+                                              cfg.engine.batch_admission, directory)
     return deployment(Ingress).bind(preprocess, egress, engine, cfg.model_dump(), directory)

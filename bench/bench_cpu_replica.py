@@ -132,9 +132,9 @@ def _build_hf(stage: str, model: str) -> tuple[Any, str, Any]:
                 .bind(model, 0, None, None), "PreprocessHF", first)
 
     class EgressHF(EgressDeployment.func_or_class):  # type: ignore[name-defined,misc]
-        def __init__(self, *args: Any) -> None:
+        async def __init__(self, *args: Any) -> None:
             with_transformers()
-            super().__init__(*args)
+            await super().__init__(*args)
 
     return (serve.deployment(EgressHF, name="EgressHF", ray_actor_options={"num_cpus": 0.25})
             .bind(_stub_engine(), model, None), "EgressHF", lambda h: h.ping.remote().result())

@@ -14,6 +14,12 @@ Design (built on Ray Serve itself: one small deployment, called through handles)
 - **Cancels travel on a long poll.** Each owner keeps one ``watch`` call open; a cancel for one of
   its requests completes that call, and the owner ends the stream the normal way (an abort by id
   routed to the engine replica that runs it). So the cancel reaches the owner within one RPC.
+- **Aborts for draining replicas.** An abort or cancel by id is routed to the replica it names
+  only while that replica is among the router's candidates; a replica being scaled down is not,
+  though it still runs its requests until they end. The replica that gets such an abort instead
+  forwards it here (``forward_abort``), and the named replica takes it within one report interval:
+  an engine in the reply to its ``report``, an Egress replica by ``take_aborts``. Forwarded ids for
+  a replica that never asks (it died, and its requests with it) expire after ``abort_ttl_s``.
 - **Self-healing.** An owner that has not watched for ``owner_ttl_s`` is dead; its entries go. A
   directory that restarted (and lost its state) answers the next ``watch`` with ``resync``, and the
   owner sends its whole list again. Engine reports older than ``report_ttl_s`` count as gone.
@@ -31,12 +37,16 @@ from dataclasses import dataclass, field
 
 from ray import serve
 
-from stages.protocol import EngineReport, LiveEntry, WatchReply
+from stages.protocol import AbortRequest, EngineReport, LiveEntry, WatchReply
 
 #: An engine replica that missed this many of its reports in a row counts as gone ...
 MISSED_REPORTS = 8
 #: ... but never sooner than this many seconds (a busy 2-core machine delays reports).
 MIN_REPORT_TTL_S = 3.0
+#: Seconds a forwarded abort waits for its replica to take it (beyond any drain's graceful timeout).
+ABORT_TTL_S = 300.0
+#: Forwarded ids kept per replica at most (oldest dropped): a bound, not a limit ever expected to bind.
+MAX_FORWARDED_PER_REPLICA = 4096
 
 
 @dataclass
@@ -49,9 +59,12 @@ class _Owner:
 class LiveDirectory:
     """Live requests by id, response id and client label; owners' cancel mailboxes; engine reports."""
 
-    def __init__(self, owner_ttl_s: float = 60.0, report_ttl_s: float = 10.0) -> None:
+    def __init__(self, owner_ttl_s: float = 60.0, report_ttl_s: float = 10.0, abort_ttl_s: float = ABORT_TTL_S) -> None:
         self.owner_ttl_s = owner_ttl_s
         self.report_ttl_s = report_ttl_s
+        self.abort_ttl_s = abort_ttl_s
+        #: replica → {request id: monotonic time forwarded}: aborts that missed their replica.
+        self._forwarded: dict[str, dict[str, float]] = {}
         self.entries: dict[str, LiveEntry] = {}
         self._by_response: dict[str, str] = {}
         self._by_label: dict[str, set[str]] = defaultdict(set)
@@ -99,6 +112,11 @@ class LiveDirectory:
                 self._remove(rid)
         for replica in [r for r, (report, at) in self._reports.items() if now - at > self._report_ttl(report)]:
             del self._reports[replica]
+        for replica, ids in list(self._forwarded.items()):
+            for rid in [rid for rid, at in ids.items() if now - at > self.abort_ttl_s]:
+                del ids[rid]
+            if not ids:
+                del self._forwarded[replica]
         return dead
 
     def _report_ttl(self, report: EngineReport) -> float:
@@ -146,9 +164,31 @@ class LiveDirectory:
                     box.wake.set()
         return found
 
+    # -- aborts that missed their replica ---------------------------------------------------------
+    def forward_abort(self, request: AbortRequest) -> None:
+        """Keep ``request``'s ids for the replica it names, until that replica takes them."""
+        if not request.replica:
+            return
+        ids = self._forwarded.setdefault(request.replica, {})
+        now = time.monotonic()
+        for rid in request.request_ids:
+            ids[rid] = now
+        while len(ids) > MAX_FORWARDED_PER_REPLICA:
+            del ids[next(iter(ids))]
+
+    def take_aborts(self, replica: str) -> list[str]:
+        """The ids forwarded to ``replica`` since it last asked (each is handed out once)."""
+        return list(self._forwarded.pop(replica, {}))
+
+    def num_forwarded(self) -> int:
+        """Forwarded ids not yet taken (tests, leak checks)."""
+        return sum(len(ids) for ids in self._forwarded.values())
+
     # -- engines -------------------------------------------------------------------------------------
-    def report(self, report: EngineReport) -> None:
+    def report(self, report: EngineReport) -> list[str]:
+        """Record an engine's report; the answer is the aborts forwarded to it."""
         self._reports[report.replica] = (report, time.monotonic())
+        return self.take_aborts(report.replica)
 
     def engine_reports(self) -> list[EngineReport]:
         """The latest report of every engine replica still reporting."""
@@ -191,8 +231,22 @@ class DirectoryDeployment:
     async def cancel(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
         return self.live.cancel(key, api_key_id)
 
-    async def report(self, report: EngineReport) -> None:
-        self.live.report(report)
+    async def report(self, report: EngineReport) -> list[str]:
+        """An engine's report; returns the request ids other replicas forwarded to it to abort."""
+        return self.live.report(report)
+
+    async def forward_abort(self, request: AbortRequest) -> None:
+        """An abort or cancel by id that reached another replica than the one it names (that one
+        is draining): kept until the named replica takes it."""
+        self.live.forward_abort(request)
+
+    async def take_aborts(self, replica: str) -> list[str]:
+        """The ids forwarded to ``replica`` to abort (an Egress replica asks each interval)."""
+        self.live.prune()
+        return self.live.take_aborts(replica)
+
+    async def num_forwarded_aborts(self) -> int:
+        return self.live.num_forwarded()
 
     async def report_ingress(self, owner: str, metrics_text: str) -> None:
         self.live.ingress_metrics[owner] = metrics_text

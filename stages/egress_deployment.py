@@ -42,6 +42,9 @@ from stages.telemetry import get_tracer, span_from_context
 
 logger = logging.getLogger("lifecycle.egress")
 
+#: Seconds between an Egress replica's asks for the cancels the directory holds for it.
+FORWARDED_POLL_S = 1.0
+
 
 @serve.deployment(name="Egress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25},
                   request_router_config=RequestRouterConfig(request_router_class="stages.routing.EgressRouter",
@@ -50,8 +53,8 @@ logger = logging.getLogger("lifecycle.egress")
 class EgressDeployment:
     """CPU stage between the engine and Ingress; scale it with ``num_replicas``."""
 
-    def __init__(self, engine: Any, model: str, tracing: dict[str, Any] | None = None,
-                 stream_channel: bool = True, batch_admission: bool = True) -> None:
+    async def __init__(self, engine: Any, model: str, tracing: dict[str, Any] | None = None,
+                 stream_channel: bool = True, batch_admission: bool = True, directory: Any = None) -> None:
         from stages.model_info import load_cpu_tokenizer
         from stages.telemetry import configure_tracing
 
@@ -79,6 +82,11 @@ class EgressDeployment:
         #: Each Ingress replica's mailbox: the frames of its channel requests (stages.channel).
         self.replica = own_replica_id()
         self.frames = ChannelHub(self.replica)
+        # Cancels meant for this replica that reached another (this one draining) wait in the
+        # directory; with batch admission, cancels by id are how jobs end early (stages.directory).
+        self.directory = directory
+        self._forwarded_poll = (asyncio.get_running_loop().create_task(self._take_forwarded_forever())
+                                if directory is not None and self.admission is not None else None)
 
     def _attach(self, replica: str) -> AsyncIterator[ChannelBatch]:
         return self._stream_handle.attach.remote(ChannelAttach(replica, self.name))
@@ -209,9 +217,26 @@ class EgressDeployment:
 
     async def cancel(self, request: AbortRequest) -> None:
         """End batch-admitted jobs by API request id (their Ingress gave up on them): each job's
-        ``finally`` runs, which aborts it in the engine. Unknown or finished ids are ignored."""
+        ``finally`` runs, which aborts it in the engine. Unknown or finished ids are ignored. A
+        cancel naming another replica reached this one because that one is draining: it goes to
+        the directory, where that replica takes it within :data:`FORWARDED_POLL_S`."""
+        if request.replica and request.replica != self.replica and self.directory is not None:
+            await self.directory.forward_abort.remote(request)
+            return
         for request_id in request.request_ids:
             self.admitted.cancel(request_id)
+
+    async def _take_forwarded_forever(self) -> None:
+        while True:
+            await asyncio.sleep(FORWARDED_POLL_S)
+            try:
+                ids = await self.directory.take_aborts.remote(self.replica)
+            except Exception as exc:  # noqa: BLE001 - the directory restarts; ask again next time
+                logger.debug("taking forwarded cancels failed: %r", exc)
+                continue
+            cancelled = sum(self.admitted.cancel(rid) for rid in ids)
+            if ids:
+                logger.info("cancelled %d of %d job(s) forwarded by the directory", cancelled, len(ids))
 
     async def stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
         """The request's :class:`StreamStart`, frames and summary. With ``job.channel`` only the

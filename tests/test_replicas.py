@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
+import threading
 import time
 from typing import Any
 
@@ -239,6 +240,93 @@ def test_health_is_for_the_whole_app(app: Any) -> None:
     r = httpx.get(app.url + "/health", timeout=30)
     assert r.status_code == 200
     assert len(_reports(app)) == 2 and all(rep.healthy for rep in _reports(app))
+
+
+# -- aborts for a draining replica: routed elsewhere, forwarded through the directory -------------------
+class _LongStream:
+    """A streamed chat of up to 4,000 tokens read on a thread: its server request id, its lines."""
+
+    def __init__(self, url: str) -> None:
+        self.lines: list[str] = []
+        self.rid = ""
+        self.status = 0
+        self._client = httpx.Client(timeout=180)
+        body = {"model": MODEL_NAME, "messages": PROMPT, "temperature": 0, "max_tokens": 4000, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        self._thread = threading.Thread(target=self._read, args=(url, body), daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while sum(1 for line in self.lines if line.startswith("data: {")) < 3:
+            assert time.monotonic() < deadline and self._thread.is_alive(), self.lines
+            time.sleep(0.05)
+
+    def _read(self, url: str, body: dict[str, Any]) -> None:
+        try:
+            with self._client.stream("POST", url + CHAT, json=body) as resp:
+                self.status, self.rid = resp.status_code, resp.headers["x-server-request-id"]
+                for line in resp.iter_lines():
+                    self.lines.append(line)
+        except httpx.HTTPError:
+            pass  # closed by the test
+
+    def ended_within(self, seconds: float) -> bool:
+        self._thread.join(seconds)
+        return not self._thread.is_alive()
+
+    def close(self) -> None:
+        self._client.close()
+        self._thread.join(10)
+
+
+def _egress_replicas(app: Any) -> set[str]:
+    names: set[str] = set()
+    for _ in range(40):
+        names.add(app.call("Egress", "stats")["replica"])
+        if len(names) == 2:
+            break
+    assert len(names) == 2, names
+    return names
+
+
+def test_an_abort_routed_past_its_draining_replica_is_forwarded_and_taken_there(app: Any) -> None:
+    """A replica being scaled down is no routing candidate, so an abort or cancel naming it lands
+    elsewhere. That replica forwards it to the directory; the named one takes it from there (an
+    engine with its next report, Egress by asking each second)."""
+    from stages.protocol import AbortRequest
+
+    # Named replicas no router knows: the call lands on some live replica, which forwards it.
+    app.call("Engine", "abort", AbortRequest("engine-draining", ["e1"]))
+    app.call("Egress", "cancel", AbortRequest("egress-draining", ["j1"]))
+    assert app.call("Directory", "take_aborts", "engine-draining") == ["e1"]
+    assert app.call("Directory", "take_aborts", "egress-draining") == ["j1"]
+
+    # The engine holding a request takes an abort forwarded to it: the request ends early, as
+    # an abort does, and the client gets what was generated so far.
+    stream = _LongStream(app.url)
+    try:
+        for report in _reports(app):
+            app.call("Directory", "forward_abort", AbortRequest(report.replica, [stream.rid]))
+        assert stream.ended_within(30), "the engine never took the forwarded abort"
+        assert stream.status == 200 and [line for line in stream.lines if line][-1] == "data: [DONE]"
+        usage = [json.loads(line[6:]) for line in stream.lines if line.startswith("data: {")][-1]["usage"]
+        assert usage["completion_tokens"] < 4000
+    finally:
+        stream.close()
+
+    # An Egress replica takes a cancel forwarded to it: the job ends there, and so its engine
+    # request (the client is still connected here, so the test lets it go afterwards).
+    stream = _LongStream(app.url)
+    try:
+        for replica in _egress_replicas(app):
+            app.call("Directory", "forward_abort", AbortRequest(replica, [stream.rid]))
+        deadline = time.monotonic() + 30
+        while any(r.stats["num_running"] for r in _reports(app)):
+            assert time.monotonic() < deadline, "the Egress replica never took the forwarded cancel"
+            time.sleep(0.25)
+    finally:
+        stream.close()
+    _wait_idle(app)
+    assert app.call("Directory", "num_forwarded_aborts") == 0
 
 
 def test_everything_is_free_afterwards(app: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -104,6 +105,21 @@ def test_stale_engine_reports_drop_out():
     r, at = d._reports["e1"]
     d._reports["e1"] = (r, at - 10)
     assert [x.replica for x in d.engine_reports()] == ["e2"]
+
+
+def test_aborts_forwarded_for_a_draining_replica_reach_it_once_and_expire_if_it_never_asks():
+    d = LiveDirectory(abort_ttl_s=30.0)
+    d.forward_abort(AbortRequest("engine-A", ["r1", "r2"]))
+    d.forward_abort(AbortRequest("engine-A", ["r2", "r3"]))
+    d.forward_abort(AbortRequest("", ["nobody"]))  # names no replica: nothing to hold it for
+    d.forward_abort(AbortRequest("engine-gone", ["r9"]))
+    report = EngineReport("engine-A", "n", 8192, True)
+    assert d.report(report) == ["r1", "r2", "r3"], "an engine takes its aborts with its report"
+    assert d.report(report) == [], "each id is handed out once"
+    assert d.take_aborts("egress-B") == []
+    assert d.num_forwarded() == 1
+    d.prune(now=time.monotonic() + 31)
+    assert d.num_forwarded() == 0, "a replica that never asks (it died, and its requests) lets them expire"
 
 
 def test_egress_router_places_job_batches_by_reported_jobs_plus_what_it_sent_since():

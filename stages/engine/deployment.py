@@ -167,9 +167,20 @@ class EngineDeployment:
         self.channels.drop(consumer)
 
     async def abort(self, request: AbortRequest) -> None:
-        """Abort by id (no-op if unknown or finished); blocks are free at the next step."""
+        """Abort by id (no-op if unknown or finished); blocks are free at the next step. An abort
+        naming another replica reached this one because that one is draining (no longer a routing
+        candidate): it goes to the directory, where that replica takes it with its next report."""
+        if request.replica and request.replica != self.replica and self.directory is not None:
+            await self.directory.forward_abort.remote(request)
+            return
         for rid in request.request_ids:
             self.async_engine.abort(rid)
+
+    def _abort_forwarded(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.async_engine.abort(rid)
+        if request_ids:
+            logger.info("aborted %d request(s) forwarded by the directory", len(request_ids))
 
     def _report(self) -> EngineReport:
         return EngineReport(replica=self.replica, node_id=ray.get_runtime_context().get_node_id(),
@@ -217,7 +228,7 @@ class EngineDeployment:
         interval = self.settings.report_interval_s
         while True:
             try:
-                await self.directory.report.remote(self._report())
+                self._abort_forwarded(await self.directory.report.remote(self._report()) or [])
             except Exception as exc:  # noqa: BLE001 - the directory restarts; keep reporting
                 logger.warning("engine report to the directory failed: %r", exc)
             await asyncio.sleep(interval)

@@ -8,7 +8,7 @@ tok = load_tokenizer(EMBEDDED_MODEL)
 def prompt(i, r):
     msgs=[{"role":"user","content":f"Write a detailed essay about {TOPICS[i % 8]} number {i} (round {r}):"}]
     return tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
-extra = dict(a.split("=") for a in sys.argv[1:])
+extra = dict(a.split("=") for a in sys.argv[1:] if "=" in a)
 cfg = EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=2048, num_threads=int(extra.pop("threads", 1)), **{k:(int(v) if v.isdigit() else v) for k,v in extra.items()})
 eng = LLMEngine.from_config(cfg)
 print("prompt len", len(prompt(0,0)), "runner", eng.runner.model.dense_min_rows if hasattr(eng.runner.model,'dense_min_rows') else '-')
