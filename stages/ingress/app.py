@@ -2,13 +2,13 @@
 
 Routes are thin: parse and validate, open the request's life (:mod:`.lifecycle`: minted id, trace,
 registry), prepare the request (here when short and plain, else through Preprocess: :mod:`.prep`),
-call Egress (a typed stream), answer with JSON or relay SSE
-(:mod:`.sse`). Every exception becomes HTTP in :mod:`.errors`, and every request, whatever its
+hand the job to Egress (:mod:`.dispatch`: batched admission, frames on a shared channel), answer
+with JSON or relay SSE (:mod:`.sse`). Every exception becomes HTTP in :mod:`.errors`, and every request, whatever its
 outcome, ends in :meth:`Lifecycle.close`, which writes its one log line.
 
-Cancellation: when the client disconnects, Starlette cancels the response; the Egress call is
-cancelled, Ray Serve carries that to Egress and on to the engine stream, whose ``finally`` aborts
-the request by id in the engine replica that owns it. ``POST /v1/requests/{id}/cancel`` ends a
+Cancellation: when the client disconnects, Starlette cancels the response, and the job ends in
+Egress (a cancel by id to the Egress replica running it, or its cancelled Egress call), whose
+``finally`` aborts the request by id in the engine replica that owns it. ``POST /v1/requests/{id}/cancel`` ends a
 request (on any Ingress replica) through an abort routed to its engine replica instead, so the
 client still receives what was generated, ``finish_reason: "abort"`` and ``[DONE]``.
 """
@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -31,8 +30,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from stages.admission import AdmissionQueue, fire_and_forget
-from stages.channel_client import ChannelClient, FrameStream
 from stages.config import AppConfig
 from stages.errors import (
     EngineUnavailableError,
@@ -44,12 +41,13 @@ from stages.errors import (
     RequestTimeoutError,
 )
 from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
+from stages.ingress.dispatch import EgressDispatch
 from stages.ingress.errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
 from stages.ingress.limits import cap_max_tokens, check_max_tokens
 from stages.ingress.openapi import build_openapi
 from stages.ingress.prep import Prep
-from stages.ingress.sse import first_item, relay, sse_response
+from stages.ingress.sse import relay, sse_response
 from stages.ingress.tokens import TokenRoutes
 from stages.ingress.views import (
     PROBE_TIMEOUT_S,
@@ -72,12 +70,8 @@ from stages.openai_schema import (
 )
 from stages.protocol import (
     AbortRequest,
-    Admission,
-    AdmissionBatch,
-    ChannelAttach,
     GenerationJob,
     PreprocessRequest,
-    StreamStart,
     StreamSummary,
 )
 from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
@@ -100,17 +94,6 @@ def validate_request_id(value: str | None) -> str | None:
         raise InvalidRequestError(
             f"X-Request-Id must be 1..{MAX_REQUEST_ID_LEN} printable ASCII characters", param="X-Request-Id")
     return value
-
-
-def _admission_key(job: GenerationJob) -> str:
-    """A structured-output request's acceptance waits for its grammar's matcher in the engine: it
-    goes in a call of its own, so it holds up no one else's."""
-    req = job.engine_request
-    return req.request_id if req.grammar is not None else ""
-
-
-def _egress_lost(replica: str) -> BaseException:
-    return EngineUnavailableError(f"The Egress replica {replica} was lost before the request finished. Retry.")
 
 
 def _ms(seconds: float | None) -> float:
@@ -144,20 +127,14 @@ class Ingress:
         self.prep = Prep(preprocess, self.cfg.model, self.cfg.engine.max_model_len, directory,
                          self.cfg.preprocess.inline_max_chars, self.metrics.observe_prep)
         self.token_routes = TokenRoutes(preprocess.options(stream=True), self._read_body, self._check_model)
-        self.egress_stream = egress.options(stream=True)
         self.egress = egress
         self.engine = engine
         self.directory = directory
         self.created = int(time.time())
         self.replica = own_replica_id()
-        self.actor_name = own_actor_name()  # Egress ends our streams if this replica dies
-        # The frames of every request on one Egress replica share one stream (stages.channel).
-        self.frames = (ChannelClient(self._attach_egress, _egress_lost, on_stray=self._cancel_stray)
-                       if self.cfg.engine.stream_channel and self.actor_name else None)
-        # The streamed requests of one loop turn go to Egress in one call (stages.admission).
-        self.admission: AdmissionQueue[GenerationJob] | None = (
-            AdmissionQueue(self._submit_jobs, key=_admission_key, on_orphan=self._cancel_orphan)
-            if self.frames is not None and self.cfg.engine.batch_admission else None)
+        # Jobs reach Egress batched per loop turn, their frames come back on shared channels.
+        self.dispatch = EgressDispatch(egress, own_actor_name(), self.cfg.engine.stream_channel,
+                                       self.cfg.engine.batch_admission)
         self.engine_liveness = EngineLiveness(directory)
         self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close)
         self._background = []
@@ -237,8 +214,6 @@ class Ingress:
                                    client_request_id=label if label and len(label) <= MAX_REQUEST_ID_LEN else None)
         span.set_attribute("lifecycle.request_id", live.request_id)
         gen: Any = None
-        inbox = None
-        accepted: asyncio.Future[Any] | None = None
         try:
             validate_request_id(label)
             if label is not None:
@@ -268,46 +243,20 @@ class Ingress:
             job = GenerationJob(engine_request=engine_request, kind=kind, model_name=self.served_name,
                                 response_id=live.response_id, created=int(time.time()), n=req.n,
                                 stream=req.stream, include_usage=req.include_usage,
-                                echo=getattr(req, "echo", False), consumer=self.actor_name,
-                                tool_parsing=tool_parsing(req), channel=self.frames is not None and req.stream)
-            if job.channel and self.frames is not None:
-                # Streamed frames share the channel; a whole body (not streamed) stays on the
-                # request's own stream: one channel item must stay far below the message limit.
-                inbox = self.frames.register_frames(engine_request.request_id)
+                                echo=getattr(req, "echo", False), consumer=self.dispatch.actor_name,
+                                tool_parsing=tool_parsing(req), channel=self.dispatch.uses_channel(req.stream))
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
             live.dispatched_at = time.perf_counter()
             deadline = self._deadline(live)
-            timeout = deadline - time.perf_counter() if deadline else None
-            if inbox is not None and self.frames is not None and self.admission is not None:
-                # Batched admission: the start comes in a reply shared with this loop turn's other
-                # requests to Egress (stages.admission); giving up on it cancels the request there.
-                accepted = self.admission.submit(job)
-                start = await asyncio.wait_for(accepted, timeout)
-                gen = FrameStream(None, inbox, self.frames, start.egress_replica,
-                                  on_cancel=self._cancel_job(start.egress_replica, engine_request.request_id))
-            else:
-                gen = self.egress_stream.stream.remote(job)
-                start = await asyncio.wait_for(first_item(gen), timeout)
-                if inbox is not None and self.frames is not None:
-                    gen = FrameStream(gen, inbox, self.frames, start.egress_replica)
+            gen, start = await self.dispatch.start(job, deadline - time.perf_counter() if deadline else None)
             self.lifecycle.started(live, start)
             if req.stream:
                 return self._stream(gen, job, live)
             return await self._complete(gen, job, live)
         except BaseException as exc:
-            if gen is not None:
+            if gen is not None:  # started: ending it is cancelling it (before that, dispatch undid it)
                 gen.cancel()
-            elif accepted is not None and accepted.done() and not accepted.cancelled() and accepted.exception() is None:
-                # Accepted in the very turn the client left (or the deadline hit): the start was
-                # never taken, and the queue's on_orphan only sees futures given up before it.
-                self._cancel_orphan(job, accepted.result())
-            if inbox is not None and self.frames is not None:
-                # A batch call that failed as a whole leaves it unknown whether Egress runs the
-                # job: then its frames, if any come, cancel it there (ChannelClient.on_stray).
-                refused = (accepted is not None and accepted.done() and not accepted.cancelled()
-                           and accepted.exception() is not None)
-                self.frames.unregister(inbox, aborted=not refused)
             if isinstance(exc, asyncio.CancelledError):
                 self.lifecycle.close(live, "client_gone")
                 raise
@@ -315,24 +264,6 @@ class Ingress:
             live.status = err.status_code
             self.lifecycle.close(live, "timeout" if isinstance(err, RequestTimeoutError) else "error")
             return error_response(err, headers=self._id_headers(live))
-
-    async def _submit_jobs(self, jobs: list[GenerationJob]) -> list[Admission]:
-        return await self.egress.submit.remote(AdmissionBatch(jobs))
-
-    def _cancel_job(self, egress_replica: str, request_id: str) -> Callable[[], None]:
-        """Cancels one batch-admitted job on the Egress replica running it (the engine aborts it)."""
-        cancel = AbortRequest(egress_replica, [request_id])
-        return lambda: fire_and_forget(lambda: self.egress.cancel.remote(cancel), "egress cancel")
-
-    def _cancel_stray(self, egress_replica: str, request_id: str) -> None:
-        self._cancel_job(egress_replica, request_id)()
-
-    def _cancel_orphan(self, job: GenerationJob, start: StreamStart) -> None:
-        """A job admitted after this replica gave up on it (client gone, timeout): cancel it."""
-        self._cancel_job(start.egress_replica, job.engine_request.request_id)()
-
-    def _attach_egress(self, replica: str) -> Any:
-        return self.egress_stream.attach.remote(ChannelAttach(replica, self.actor_name))
 
     def _id_headers(self, live: LiveRequest) -> dict[str, str]:
         return {SERVER_ID_HEADER: live.request_id}
