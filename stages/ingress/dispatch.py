@@ -24,7 +24,7 @@ from typing import Any
 
 from stages.admission import AdmissionQueue, fire_and_forget
 from stages.channel_client import ChannelClient, FrameStream
-from stages.engine.errors import EngineUnavailableError
+from stages.errors import EngineUnavailableError
 from stages.ingress.sse import first_item
 from stages.protocol import AbortRequest, Admission, AdmissionBatch, ChannelAttach, GenerationJob, StreamStart
 
