@@ -15,6 +15,7 @@ tokens depend only on its seed and its own logits, not on its batch neighbours o
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,12 +138,20 @@ def apply_token_restrictions(logits: torch.Tensor, rows: list[SamplingContext],
     return out
 
 
+def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
+    return x.argmax(dim=-1)
+
+
 class Sampler:
     """Picks the next token of every row of a batch; stateless apart from the target device."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        """``device`` is where lazily created generators live; logits may be on any device."""
+    def __init__(self, device: torch.device | str = "cpu",
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """``device`` is where lazily created generators live; logits may be on any device.
+        ``argmax`` replaces ``x.argmax(dim=-1)`` (the engine passes its CPU kernel; it must give
+        the same indices)."""
         self.device = torch.device(device)
+        self._argmax = argmax or _torch_argmax
 
     @staticmethod
     def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -167,7 +176,7 @@ class Sampler:
                for r in rows):
             # Decode hot path: no per-row tensor work, one device sync.
             x = logits if restricted is None else restricted
-            return [(t, None) for t in x.argmax(dim=-1).tolist()]
+            return [(t, None) for t in self._argmax(x).tolist()]
         return self._sample_general(logits, rows, restricted)
 
     def sample_or_fail(self, logits: torch.Tensor, rows: list[SamplingContext], bitmask: torch.Tensor | None = None
@@ -207,7 +216,7 @@ class Sampler:
             tokens = self._draw(x, rows)
         else:
             # Greedy rows take the argmax after penalties (top-k/p and min-p never remove it).
-            tokens = x.argmax(dim=-1)
+            tokens = self._argmax(x)
             if sampled:
                 idx = torch.tensor(sampled, device=device)
                 tokens[idx] = self._draw(x[idx], [rows[i] for i in sampled])
@@ -236,7 +245,7 @@ class Sampler:
             # Zeroing is enough: the exponential race below does not need normalised weights.
             probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
         q = self._exponentials(rows, n, vocab, device)
-        return (probs / q).argmax(dim=-1)
+        return self._argmax(probs / q)
 
     def _exponentials(self, rows: list[SamplingContext], n: int, vocab: int,
                       device: torch.device) -> torch.Tensor:

@@ -4,7 +4,8 @@ Torch has no decode attention that reads a paged KV cache through block tables o
 takes dense K/V, and FlexAttention's paged path needs ``torch.compile``), so without one every
 decode step gathers every sequence's K/V into a padded copy per layer: at 32 streams and ~170
 tokens of context that is ~0.5 GB of copying per step. ``paged_attention.cpp`` reads the blocks
-in place instead.
+in place instead. ``quant_matmul.cpp`` multiplies by the GGUF's own quantised blocks, and
+``argmax.cpp`` is greedy decoding's argmax as one vector scan per row.
 
 The source is compiled once per machine with the system C++ compiler (``g++ -O3 -march=native``:
 AVX2, AVX-512 or whatever this CPU has) into ``~/.cache/lifecycle-serve/kernels`` (or
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("paged_attention.cpp")
 _QUANT_SRC = Path(__file__).with_name("quant_matmul.cpp")
+_ARGMAX_SRC = Path(__file__).with_name("argmax.cpp")
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 _ABI_VERSION = 1
 _lock = threading.Lock()
@@ -168,6 +170,29 @@ class QuantMatmul:
         return qx, dx
 
 
+class RowArgmax:
+    """``x.argmax(dim=-1)`` for a float32 ``[rows, n]`` CPU tensor (see ``argmax.cpp``); the same
+    indices as torch's, ties and NaNs included."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.lifecycle_argmax_rows
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, i64, ptr]
+        fn.restype = None
+        self._fn = fn
+        #: Whether this build scans with AVX-512 (a scalar build is no faster than torch).
+        self.vectorized = bool(lib.lifecycle_argmax_vectorized())
+
+    def __call__(self, x: Any) -> Any:
+        import torch
+
+        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.stride(1) != 1:
+            return x.argmax(dim=-1)
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        return out
+
+
 def _open(src: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(src)))
     if lib.lifecycle_kernels_abi_version() != _ABI_VERSION:
@@ -191,6 +216,12 @@ def paged_attention() -> PagedDecodeAttention | None:
     """The built kernel, or ``None`` where it cannot be built here (then use the SDPA path)."""
     result: PagedDecodeAttention | None = _load_kernel(_SRC, PagedDecodeAttention, "gather + SDPA")
     return result
+
+
+def row_argmax() -> RowArgmax | None:
+    """The built argmax where it is vectorised here, or ``None`` (then torch's argmax)."""
+    result: RowArgmax | None = _load_kernel(_ARGMAX_SRC, RowArgmax, "torch.argmax")
+    return result if result is not None and result.vectorized else None
 
 
 def quant_matmul() -> QuantMatmul | None:
