@@ -325,3 +325,102 @@ def test_a_sampling_failure_fails_that_stream_only_and_the_engine_goes_on():
     assert later == reference([7, 8], 5)
     assert eng.dead is None and stats.sampling_failures == 1
     assert stats.num_free_blocks == stats.num_kv_blocks and stats.num_running == 0
+
+
+# -- ``sink``: after the first item, outputs go to a callback from the step's delivery ---------------
+def _sink_run(request: EngineRequest, *, step_s: float = 0.002, abort_after: int | None = None,
+              runner_wrap=None):
+    """Drive ``generate(request, sink=...)``: what it yielded, what the sink got, and the engine."""
+    async def main():
+        engine = _engine(step_s=step_s)
+        if runner_wrap is not None:
+            engine.runner = runner_wrap(engine.runner)
+        eng = AsyncEngine(engine, replica="r0")
+        eng.start()
+        sunk: list[list[EngineOutput]] = []
+        loop_thread = []
+
+        def sink(items: list[EngineOutput]) -> None:
+            loop_thread.append(asyncio.get_running_loop() is not None)  # raises off the loop
+            sunk.append(items)
+            if abort_after is not None and sum(len(o.new_token_ids) for i in sunk for o in i) >= abort_after:
+                eng.abort(request.request_id if request.n == 1 else f"{request.request_id}-0")
+
+        yielded, error = [], None
+        try:
+            async for outs in eng.generate(request, sink=sink):
+                yielded.append(outs)
+        except Exception as exc:  # noqa: BLE001 - returned for the test to check
+            error = exc
+        for _ in range(200):
+            if not engine.requests:
+                break
+            await asyncio.sleep(0.01)
+        eng.shutdown()
+        return yielded, sunk, engine, error, all(loop_thread)
+
+    return run(main())
+
+
+def test_sink_gets_every_output_after_the_first_item_and_the_stream_ends_with_the_request():
+    yielded, sunk, engine, error, on_loop = _sink_run(EngineRequest("s", [5, 6, 7, 8, 9], params(max_tokens=12)))
+    assert error is None and on_loop
+    assert len(yielded) == 1 and yielded[0][0].replica == "r0"  # only the acceptance is yielded
+    items = [o for outs in yielded + sunk for o in outs]
+    assert [t for o in items for t in o.new_token_ids] == reference([5, 6, 7, 8, 9], 12)
+    assert items[-1].finish_reason == "length" and all(o.finish_reason is None for o in items[:-1])
+    assert len(sunk) >= 2  # step by step, not one lump at the end
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_sink_gets_every_choice_of_a_group_and_the_siblings_start():
+    yielded, sunk, engine, error, _ = _sink_run(EngineRequest("g", list(range(1, 21)), params(max_tokens=5), n=3))
+    tokens, reasons = _collect(yielded + sunk)
+    assert error is None and len(yielded) == 1
+    assert set(reasons) == {"g-0", "g-1", "g-2"} and set(reasons.values()) == {"length"}
+    for rid in reasons:
+        assert tokens[rid] == reference(list(range(1, 21)), 5)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_an_abort_reaches_the_sink_as_the_final_item_and_frees_the_blocks():
+    yielded, sunk, engine, error, _ = _sink_run(EngineRequest("a", [1, 2, 3], params(max_tokens=500)),
+                                               step_s=0.005, abort_after=3)
+    assert error is None
+    assert sunk[-1][-1].finish_reason == "abort"
+    assert sum(len(o.new_token_ids) for outs in sunk for o in outs) < 100
+    assert engine.finished_total["abort"] == 1 and not engine.requests
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_failure_after_the_first_item_ends_a_sink_stream_with_its_error():
+    yielded, sunk, engine, error, _ = _sink_run(EngineRequest("bad", [4, 5, 6], params(max_tokens=12)),
+                                               runner_wrap=lambda r: FailingSampler(r, after=3))
+    assert isinstance(error, SamplingError), error
+    assert len(yielded) == 1 and all(o.finish_reason is None for outs in sunk for o in outs)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_sink_that_raises_fails_its_own_request_only():
+    async def main():
+        eng = AsyncEngine(_engine(step_s=0.002))
+        eng.start()
+
+        def bad_sink(items):
+            raise ValueError("broken sink")
+
+        async def drive(rid, sink):
+            out = []
+            async for outs in eng.generate(EngineRequest(rid, [1, 2, 3], params(max_tokens=8)), sink=sink):
+                out.append(outs)
+            return out
+
+        got: list = []
+        results = await asyncio.wait_for(asyncio.gather(drive("bad", bad_sink), drive("good", got.append),
+                                                        return_exceptions=True), 10)
+        eng.shutdown()
+        return results, got
+
+    (bad, good), got = run(main())
+    assert isinstance(bad, ValueError)
+    assert [t for outs in good + got for o in outs for t in o.new_token_ids] == reference([1, 2, 3], 8)

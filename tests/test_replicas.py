@@ -326,7 +326,12 @@ def test_an_abort_routed_past_its_draining_replica_is_forwarded_and_taken_there(
     finally:
         stream.close()
     _wait_idle(app)
-    assert app.call("Directory", "num_forwarded_aborts") == 0
+    # The replicas that did not hold the request take theirs too (a no-op there), each within its
+    # report or poll interval, which may end after the holder has gone idle.
+    deadline = time.monotonic() + 15
+    while app.call("Directory", "num_forwarded_aborts"):
+        assert time.monotonic() < deadline, "forwarded aborts were never taken"
+        time.sleep(0.25)
 
 
 def test_everything_is_free_afterwards(app: Any) -> None:

@@ -77,6 +77,9 @@ class _Group:
     dropped: set[str] = field(default_factory=set)
     #: The structured-output matcher template, built before choice 0 is added (never on the step thread).
     grammar_template: Any = None
+    #: Set once the first item is taken when ``generate`` was given a ``sink``: later outputs go
+    #: to it straight from the step's delivery, without waking the request's own task.
+    sink: Callable[[list[EngineOutput]], None] | None = None
 
 
 #: Upper bounds (seconds) of the abort-latency histogram.
@@ -207,11 +210,19 @@ class AsyncEngine:
                 "max_waiting": self.max_waiting, "stalled_s": self.stalled_for()}
 
     # -- requests ---------------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[EngineOutput]]:
+    async def generate(self, request: EngineRequest, sink: Callable[[list[EngineOutput]], None] | None = None,
+                       ) -> AsyncIterator[list[EngineOutput]]:
         """Stream the outputs of all ``request.n`` choices: each item holds one merged output per
         choice that produced something. The first item is choice 0's acceptance (``replica`` set;
-        merged with its first tokens when they came before the consumer looked). Leaving the iteration early (break, cancellation, client gone) aborts
-        every unfinished choice in the engine."""
+        merged with its first tokens when they came before the consumer looked). Leaving the
+        iteration early (break, cancellation, client gone) aborts every unfinished choice in the
+        engine.
+
+        With ``sink``, only the first item is yielded: every later one is handed to ``sink`` on the
+        event loop as each step's outputs arrive, and the iteration ends (or raises the request's
+        error) when the last choice finishes. ``sink`` must not block or raise. Why: a replica
+        that forwards every request's tokens to a shared channel would otherwise wake one task
+        per request per step, loop work that holds the GIL the step thread needs."""
         if self.dead is not None:
             raise EngineDeadError(f"engine is dead: {self.dead!r}")
         ids = request.choice_ids()
@@ -237,19 +248,34 @@ class AsyncEngine:
                 outs, stream.pending = stream.pending, []
                 if not outs:
                     continue
-                items = merge_group(outs)
-                for out in items:
-                    if out.finish_reason is not None:
-                        group.finished.add(out.request_id)
-                    if out.index == 0 and (out.new_token_ids or out.finish_reason) and len(group.added) < len(ids):
-                        for i in range(1, len(ids)):  # the prompt is computed and cached: siblings go
-                            self._add(group, i)
+                items = self._take(group, outs)
+                if group.sink is not None:  # pushed here, not by a step (a sibling dropped unstarted)
+                    group.sink(items)
+                    continue
                 yield items
+                if sink is not None and group.sink is None:
+                    group.sink = sink
+                    if stream.pending:  # arrived while the first item was on its way
+                        outs, stream.pending = stream.pending, []
+                        sink(self._take(group, outs))
         finally:
             for rid in ids:
                 self._groups.pop(rid, None)
                 if rid in group.added and rid not in group.finished:
                     self._send("abort", (rid, time.monotonic()))
+
+    def _take(self, group: _Group, outs: list[EngineOutput]) -> list[EngineOutput]:
+        """Merge one group's outputs into one per choice; note finished choices, and start the
+        siblings once choice 0 has produced (its prompt is computed and cached by then)."""
+        items = merge_group(outs)
+        ids = group.ids
+        for out in items:
+            if out.finish_reason is not None:
+                group.finished.add(out.request_id)
+            if out.index == 0 and (out.new_token_ids or out.finish_reason) and len(group.added) < len(ids):
+                for i in range(1, len(ids)):
+                    self._add(group, i)
+        return items
 
     def _add(self, group: _Group, index: int) -> None:
         rid = group.ids[index]
@@ -324,13 +350,26 @@ class AsyncEngine:
             group.stream.fail(exc)
 
     def _dispatch(self, outputs: list[EngineOutput]) -> None:
+        direct: dict[int, tuple[_Group, list[EngineOutput]]] = {}
         for out in outputs:
             group = self._groups.get(out.request_id)
             if group is not None:
                 out.index = group.ids.index(out.request_id) if len(group.ids) > 1 else 0
-                group.stream.push(out)
+                if group.sink is not None and group.stream.error is None:
+                    direct.setdefault(id(group), (group, []))[1].append(out)
+                else:
+                    group.stream.push(out)
             elif out.finish_reason != "abort":
                 self.tokens_after_gone += len(out.new_token_ids)  # nobody will read these
+        for group, outs in direct.values():
+            try:
+                group.sink(self._take(group, outs))  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001 - a broken sink ends its own request only
+                logger.exception("output sink of %s failed", group.ids[0])
+                group.stream.fail(exc)
+                continue
+            if len(group.finished) == len(group.ids):
+                group.stream.event.set()  # its task ends the iteration
 
     def _call_loop(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None

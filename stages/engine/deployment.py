@@ -22,6 +22,7 @@ send the next request), and to the app's Directory every ``report_interval_s`` (
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable
@@ -109,13 +110,10 @@ class EngineDeployment:
         until the request ends (its cancellation still aborts it); the tokens go to the consumer's
         channel, which :meth:`attach` streams."""
         channel = request.consumer if request.channel and request.consumer else None
-        first = True
+        # With a channel, the first item (the acceptance) comes back here and the rest go to the
+        # channel straight from each step's delivery (``AsyncEngine.generate``'s ``sink``).
         async for outs in self._run(request, channel):
-            if first or channel is None:
-                first = False
-                yield outs
-            else:
-                self.channels.push(channel, outs)
+            yield outs
 
     async def submit(self, batch: AdmissionBatch) -> list[Admission]:
         """Batched admission (:mod:`stages.admission`): start every request of the batch; answer
@@ -130,7 +128,7 @@ class EngineDeployment:
         consumer = request.consumer
         first_id = request.choice_ids()[0]
 
-        def rest(outs: list[EngineOutput]) -> None:
+        def rest(outs: list[EngineOutput]) -> None:  # not reached: ``_run`` yields the first item only
             self.channels.push(consumer, outs)
 
         def failed(exc: BaseException) -> None:
@@ -139,15 +137,18 @@ class EngineDeployment:
         return self.admitted.admit(first_id, self._run(request, consumer), rest, failed)
 
     async def _run(self, request: EngineRequest, channel: str | None) -> AsyncIterator[list[EngineOutput]]:
-        """One request's outputs, with its consumer watched and its channel mailbox open."""
+        """One request's outputs, with its consumer watched and its channel mailbox open. With a
+        channel, only the first item is yielded and the rest go to the channel's mailbox."""
         self._check_alive()
         choices = tuple(request.choice_ids())
         key = (request.consumer, choices)
         self.consumers.add(request.consumer, key)
+        sink = None
         if channel is not None:
             self.channels.open(channel)
+            sink = functools.partial(self.channels.push, channel)
         try:
-            async for outs in self.async_engine.generate(request):
+            async for outs in self.async_engine.generate(request, sink=sink):
                 yield outs
         finally:
             if channel is not None:
