@@ -104,6 +104,21 @@ def test_q4_1_matches_dequantised_weights_times_rounded_activations(n, k, rows):
     assert torch.equal(kernel.q4_1(x, *packed, n, 2), got)  # threads split tiles, not sums
 
 
+@pytest.mark.parametrize("rows,k", [(64, 1536), (200, 576)])  # 3,072 and 3,600 blocks: quantised on two threads
+def test_a_prompt_steps_activations_quantise_on_the_matmuls_threads_with_the_same_result(rows, k):
+    n = 48
+    g = torch.Generator().manual_seed(rows + k)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    d = (torch.rand(n, k // GROUP, generator=g) * 0.01).half()
+    m = (-torch.rand(n, k // GROUP, generator=g) * 0.05).half()
+    w = (q.float().view(n, -1, GROUP) * d.float()[..., None] + m.float()[..., None]).view(n, k)
+    x = torch.randn(rows, k, generator=g)
+    packed = pack_q4_1(q, d, m)
+    two = kernel.q4_1(x, *packed, n, 2)
+    torch.testing.assert_close(two, int8_blocks(x) @ w.T, rtol=1e-5, atol=1e-5)
+    assert torch.equal(two, kernel.q4_1(x, *packed, n, 1))
+
+
 @pytest.mark.parametrize("which", both_builds())
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_the_avx2_build_computes_what_the_native_one_does(which, rows):
