@@ -1,5 +1,6 @@
 #!/bin/bash
 # Alternate burst_pairs runs: the sink change applied (new) and reverted (old).
+# /tmp/r12/sink.patch was `git diff stages/` of 44b8ae4 (git show 44b8ae4 -- stages/).
 cd /work/main
 for i in 1 2; do
   for side in new old; do
