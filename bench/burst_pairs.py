@@ -15,6 +15,7 @@ step thread computed longer" and "the step thread was off the CPU".
     .venv/bin/python bench/burst_pairs.py --pairs 8 --out bench/results/burst_pairs.json
     .venv/bin/python bench/burst_pairs.py --pairs 6 --worker-nice 15   # + the graph with Ray's threads reniced
     .venv/bin/python bench/burst_pairs.py --pairs 6 --pin              # + the step thread alone on a CPU
+    .venv/bin/python bench/burst_pairs.py --pairs 8 --core-process     # the graph's step loop in its own process
 """
 
 from __future__ import annotations
@@ -134,16 +135,29 @@ def unpin(changed: list[tuple[int, set[int]]]) -> None:
 
 
 def engine_replica_pid() -> int:
-    """The local Engine replica's process (one engine replica: this app's)."""
+    """The process of the local Engine replica's step loop (one engine replica: this app's): the
+    replica's own, or its engine core process (``engine.core_process``)."""
+    replica = None
+    commands = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+                commands[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes()
             except OSError:
                 continue
-            if b"ServeReplica:lifecycle:Engine" in cmd:
-                return int(entry)
-    raise SystemExit("no Engine replica process found")
+    for pid, cmd in commands.items():
+        if b"ServeReplica:lifecycle:Engine" in cmd:
+            replica = pid
+    if replica is None:
+        raise SystemExit("no Engine replica process found")
+    for pid, cmd in commands.items():
+        if b"stages.engine.core_process" in cmd:
+            try:
+                if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == replica:
+                    return pid
+            except (OSError, ValueError):
+                continue
+    return replica
 
 
 async def burst(one: Any, streams: int, tokens: int, pid: int, tid: int) -> dict[str, float]:
@@ -239,12 +253,15 @@ def main() -> None:
     p.add_argument("--pin", action="store_true",
                    help="also run the graph with the engine's step thread alone on the last CPU and every other "
                         "thread on the machine on the others, undone after each burst")
+    p.add_argument("--core-process", action="store_true",
+                   help="the graph's engine runs its step loop in a child process (engine.core_process: true)")
     p.add_argument("--out", default="bench/results/burst_pairs.json")
     a = p.parse_args()
     env = machine()
     print("machine:", env, flush=True)
     settings = EngineSettings(num_threads=a.threads, max_num_seqs=64, max_num_batched_tokens=512)
-    app = ServeApp({"engine": settings.model_dump(), "http": {"keepalive_interval_s": 5.0}})
+    graph_engine = {**settings.model_dump(), "core_process": a.core_process}
+    app = ServeApp({"engine": graph_engine, "http": {"keepalive_interval_s": 5.0}})
     try:
         sides = asyncio.run(run(a, settings, app.url))
     finally:

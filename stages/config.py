@@ -35,7 +35,7 @@ def valid_api_key(key: str) -> bool:
 
 #: Engine settings the Ray replica uses itself; the engine core never sees them.
 _REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s", "fault_injection", "stream_channel",
-                 "batch_admission", "step_thread_nice"}
+                 "batch_admission", "step_thread_nice", "core_process"}
 
 
 class EngineSettings(_Strict):
@@ -87,6 +87,9 @@ class EngineSettings(_Strict):
     #: that): normal priority where the engine leaves a core free (:mod:`stages.engine.priority`).
     #: ``None``: leave it.
     step_thread_nice: int | None = Field(0, ge=-20, le=19)
+    #: Run the step loop in a child process of the replica (:mod:`stages.engine.core_process`), so
+    #: it never waits for the GIL the replica's event loop holds; false: on a thread of the replica.
+    core_process: bool = True
     #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.faults`). Off.
     fault_injection: bool = False
 

@@ -1,12 +1,13 @@
-"""Drives :class:`LLMEngine` on a background thread and streams each request's outputs to asyncio.
+"""Streams each request's outputs from the engine's step loop to asyncio.
 
-Why a thread: a step is mostly torch work that releases the GIL, so the event loop (Ray's RPCs,
-new requests, aborts) stays responsive while the model runs, and new requests join the batch at
-the next step. All engine state is touched by the step thread only: ``add`` and ``abort`` are
-messages in an inbox drained at the top of every step, so an abort frees the request's blocks at
-the engine's next step.
+The loop (:class:`stages.engine.step_loop.StepLoop`) runs on a background thread of this process,
+or alone in a child process (:mod:`stages.engine.core_process`). Why a thread at all: a step is
+mostly torch work that releases the GIL, so the event loop (Ray's RPCs, new requests, aborts)
+stays responsive while the model runs, and new requests join the batch at the next step. All
+engine state is touched by the loop only: ``add`` and ``abort`` are messages in its inbox, drained
+at the top of every step, so an abort frees the request's blocks at the engine's next step.
 
-Streaming: each API request (all its ``n`` choices) has one :class:`_Stream`. The step thread hands
+Streaming: each API request (all its ``n`` choices) has one :class:`_Stream`. The step loop hands
 every step's outputs to the event loop in one ``call_soon_threadsafe``; the consumer takes
 *everything* that accumulated since it last looked and merges it into one output per choice. The
 first token therefore goes out at once, and under load one item carries several tokens (and every
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -29,16 +29,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.channel import merge_group
-from stages.engine.engine import EngineStats, LLMEngine
-from stages.engine.errors import (
-    DuplicateRequestIdError,
-    EngineDeadError,
-    EngineError,
-    EngineOverloadedError,
-    RequestRejectedError,
-)
+from stages.engine.core_process import CoreProcess
+from stages.engine.engine import EngineConfig, EngineStats, LLMEngine
+from stages.engine.errors import DuplicateRequestIdError, EngineDeadError, RequestRejectedError
 from stages.engine.faults import StepFaults
-from stages.engine.priority import raise_thread_priority
+from stages.engine.step_loop import (
+    ABORT_LATENCY_BUCKETS,
+    AddRequest,
+    CumulativeHistogram,
+    LoopStatus,
+    StepHook,
+    StepLoop,
+)
 from stages.protocol import EngineOutput, EngineRequest
 
 logger = logging.getLogger(__name__)
@@ -82,132 +84,163 @@ class _Group:
     sink: Callable[[list[EngineOutput]], None] | None = None
 
 
-#: Upper bounds (seconds) of the abort-latency histogram.
-ABORT_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-
-class CumulativeHistogram:
-    """A tiny Prometheus-style histogram (cumulative bucket counts), safe to snapshot."""
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
-                break
-        else:
-            self.counts[-1] += 1
-        self.sum += value
-
-    def buckets(self) -> list[tuple[str, int]]:
-        """``[(le, cumulative count)]`` including ``+Inf``."""
-        out, total = [], 0
-        for bound, count in zip([*map(str, self.bounds), "+Inf"], self.counts, strict=True):
-            total += count
-            out.append((bound, total))
-        return out
-
-
-#: Callback invoked on the step thread after every step: (engine, step outputs, step seconds).
-StepHook = Callable[[LLMEngine, list[EngineOutput], float], None]
-
-
 class AsyncEngine:
-    """Thread-driven engine with an asyncio streaming API.
+    """The asyncio side of an engine: per-request streams over a :class:`StepLoop`.
+
+    The loop runs on a thread of this process (``AsyncEngine(engine)``), or in a child process
+    (``AsyncEngine(core=CoreProcess(...))``, :mod:`stages.engine.core_process`): everything below
+    is the same for both, since the loop's messages arrive here the same way.
 
     ``replica`` names this engine replica on the acceptance item of every stream, so an abort by
-    id can be routed back here. The waiting-queue bound is checked by the step thread when it
-    takes a request in, against the scheduler's own queue: it is exact under bursts.
+    id can be routed back here. The waiting-queue bound is checked by the loop when it takes a
+    request in, against the scheduler's own queue: it is exact under bursts.
     """
 
-    def __init__(self, engine: LLMEngine, *, max_waiting: int = 256, step_hook: StepHook | None = None,
-                 replica: str = "", stall_timeout_s: float = 60.0, faults: StepFaults | None = None,
-                 thread_nice: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine | None = None, *, max_waiting: int = 256,
+                 step_hook: StepHook | None = None, replica: str = "", stall_timeout_s: float = 60.0,
+                 faults: StepFaults | None = None, thread_nice: int | None = None,
+                 core: CoreProcess | None = None) -> None:
+        if (engine is None) == (core is None):
+            raise ValueError("give an engine (step loop on a thread) or a core process, not both")
+        #: The engine, when its loop runs in this process (``None`` with a core process).
         self.engine = engine
-        #: Nice value for the step thread (:mod:`stages.engine.priority`); ``None`` leaves it.
-        self.thread_nice = thread_nice
-        #: Test-only fault hook (:mod:`stages.engine.faults`); off unless enabled.
-        self.faults = faults or StepFaults()
+        self.core = core
+        #: Test-only fault hook (:mod:`stages.engine.faults`); off unless enabled. With a core
+        #: process this copy only checks that arming is allowed; the child's copy fires.
+        self.faults = faults or StepFaults(core.spec.fault_injection if core is not None else False)
         self.max_waiting = max_waiting
-        self.step_hook = step_hook
         self.replica = replica
         self.stall_timeout_s = stall_timeout_s
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._steps = (StepLoop(engine, self._from_thread, max_waiting=max_waiting, replica=replica,
+                                faults=self.faults, thread_nice=thread_nice, step_hook=step_hook)
+                       if engine is not None else None)
+        self.config: EngineConfig = engine.config if engine is not None else core.spec.config  # type: ignore[union-attr]
         #: Engine request id → the group it belongs to (every choice of a group maps to it).
         self._groups: dict[str, _Group] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stop = False
-        self.dead: BaseException | None = None
-        self._stats = engine.stats()
-        #: Monotonic time the step in progress began; ``None`` between steps.
-        self._step_started: float | None = None
-        # Cancellation accounting: how long aborts took to free blocks (step thread), and tokens
-        # produced for consumers that had already gone (event loop).
-        self.abort_latencies: deque[float] = deque(maxlen=4096)
-        self.abort_latency = CumulativeHistogram(ABORT_LATENCY_BUCKETS)
+        #: Tokens produced for consumers that had already gone (counted on the event loop).
         self.tokens_after_gone = 0
-        self.rejected_overloaded = 0
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start the step thread; outputs are delivered on ``loop`` (default: the running loop)."""
-        if self._thread is not None:
+        """Start the step loop; outputs are delivered on ``loop`` (default: the running loop). With
+        a core process this blocks until the child has loaded the model (run it off the loop)."""
+        if self._thread is not None or (self.core is not None and self.core.info is not None):
             return
         self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        if self.core is not None:
+            self.core.start(lambda messages: self._call_loop(self._on_messages, messages))
+            return
+        assert self._steps is not None
+        self._thread = threading.Thread(target=self._steps.run, name="engine-step-loop", daemon=True)
         self._thread.start()
 
     def shutdown(self) -> None:
-        """Stop the step thread (pending requests are aborted)."""
-        self._stop = True
-        self._wake.set()
-        self.faults.release()
+        """Stop the step loop (pending requests are aborted)."""
+        if self.core is not None:
+            self.core.shutdown()
+            return
+        assert self._steps is not None
+        self._steps.stop()
         if self._thread is not None:
             self._thread.join(timeout=30)
             self._thread = None
 
     @property
+    def dead(self) -> BaseException | None:
+        """What killed the step loop, or ``None``."""
+        return self.core.dead if self.core is not None else self._steps.dead  # type: ignore[union-attr]
+
+    @property
     def is_alive(self) -> bool:
+        if self.core is not None:
+            return self.core.alive()
         return self.dead is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def max_model_len(self) -> int:
+        if self.core is not None:
+            assert self.core.info is not None, "start() first"
+            return self.core.info.max_model_len
+        return self.engine.max_model_len  # type: ignore[union-attr]
+
+    @property
+    def num_blocks(self) -> int:
+        if self.core is not None:
+            assert self.core.info is not None, "start() first"
+            return self.core.info.num_blocks
+        return self.engine.block_manager.num_blocks  # type: ignore[union-attr]
+
+    @property
+    def abort_latencies(self) -> deque[float]:
+        """Recent abort latencies (seconds): the thread-driven loop only (tests)."""
+        assert self._steps is not None, "kept by the step loop's own process"
+        return self._steps.abort_latencies
 
     def stalled_for(self) -> float:
         """Seconds the current step has been running (0 between steps: an idle loop is fine)."""
-        started = self._step_started
+        started = self.core.step_started() if self.core is not None else self._steps.step_started  # type: ignore[union-attr]
         return 0.0 if started is None else max(0.0, time.monotonic() - started)
 
     def health_problem(self) -> str | None:
-        """Why this engine cannot serve, or ``None``: the loop died, its thread is gone, or it has
-        had work without finishing a step for ``stall_timeout_s``. An idle loop is healthy."""
+        """Why this engine cannot serve, or ``None``: the loop died, its thread (or process) is
+        gone, or it has had work without finishing a step for ``stall_timeout_s``. An idle loop
+        is healthy."""
         if self.dead is not None:
             return f"engine step loop died: {self.dead!r}"
-        if self._thread is None or not self._thread.is_alive():
+        if not self.is_alive:
             return "engine step loop is not running"
         stalled = self.stalled_for()
         if stalled > self.stall_timeout_s:
             return f"engine step loop has made no progress for {stalled:.0f} s"
         return None
 
+    def _status(self) -> LoopStatus:
+        if self.core is not None:
+            assert self.core.status is not None, "start() first"
+            return self.core.status
+        steps = self._steps
+        assert steps is not None
+        return LoopStatus(steps.stats, steps.rejected_overloaded, list(steps.abort_latency.counts),
+                          steps.abort_latency.sum)
+
     def stats(self) -> EngineStats:
-        """The latest snapshot (taken by the step thread after each step)."""
-        return self._stats
+        """The latest snapshot (taken by the step loop after each step)."""
+        return self._status().stats
+
+    def take_ttfts(self) -> list[float]:
+        """Engine-side TTFTs (seconds) of the requests that got their first token since the last
+        call, oldest first (the autoscaling signal)."""
+        if self.core is not None:
+            return self.core.take_ttfts()
+        recent = self.engine.recent_ttfts  # type: ignore[union-attr]
+        return [recent.popleft() for _ in range(len(recent))]
+
+    def loop_counters(self) -> dict[str, Any]:
+        """Counters kept where the step loop runs (traced requests, with a core process)."""
+        return dict(self._status().extra)
 
     def cancellation_stats(self) -> dict[str, Any]:
         """Open streams, tokens generated for consumers already gone, abort-latency histogram."""
+        status = self._status()
+        histogram = CumulativeHistogram(ABORT_LATENCY_BUCKETS)
+        histogram.counts = list(status.abort_latency_counts) or histogram.counts
         return {"num_streams": len(self._live_groups()), "tokens_after_gone": self.tokens_after_gone,
-                "rejected_overloaded": self.rejected_overloaded,
-                "abort_latency_buckets": self.abort_latency.buckets(), "abort_latency_sum": self.abort_latency.sum}
+                "rejected_overloaded": status.rejected_overloaded,
+                "abort_latency_buckets": histogram.buckets(), "abort_latency_sum": status.abort_latency_sum}
 
     def snapshot(self) -> dict[str, Any]:
         """Every gauge and counter in one plain dict (what ``/metrics`` and the router read)."""
-        return {**self._stats.to_dict(), **self.cancellation_stats(),
-                "max_num_seqs": self.engine.config.max_num_seqs, "block_size": self.engine.config.block_size,
+        return {**self.stats().to_dict(), **self.cancellation_stats(),
+                "max_num_seqs": self.config.max_num_seqs, "block_size": self.config.block_size,
                 "max_waiting": self.max_waiting, "stalled_s": self.stalled_for()}
+
+    def arm_fault(self, kind: str = "step_exception", after_steps: int = 0) -> None:
+        """Tests only: make an upcoming step raise or hang (:mod:`stages.engine.faults`)."""
+        self.faults.arm(kind, after_steps)  # raises unless fault injection is on
+        if self.core is not None:
+            self.core.send("fault", (kind, after_steps))
 
     # -- requests ---------------------------------------------------------------------------------
     async def generate(self, request: EngineRequest, sink: Callable[[list[EngineOutput]], None] | None = None,
@@ -230,7 +263,7 @@ class AsyncEngine:
             if rid in self._groups:
                 raise DuplicateRequestIdError(f"engine request id {rid!r} is already in use")
         template = None
-        if request.grammar is not None:
+        if request.grammar is not None and self.engine is not None:  # a core process builds its own
             if self.engine.grammars is None:
                 raise RequestRejectedError("structured outputs are not available on this engine")
             template = await self.engine.grammars.prepare(request.grammar)  # on a worker thread
@@ -286,8 +319,8 @@ class AsyncEngine:
         params = req.sampling_params
         if index and params.seed is not None:  # distinct choices from one seed: seed + index
             params = dataclasses.replace(params, seed=params.seed + index)
-        self._send("add", (rid, index, req, params, len(group.ids) if index == 0 else 0, time.monotonic(),
-                           group.grammar_template))
+        self._send("add", AddRequest(rid, index, req, params, len(group.ids) if index == 0 else 0, time.monotonic(),
+                                     group.grammar_template))
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` (no-op if unknown or finished). Its stream ends with a final
@@ -302,47 +335,24 @@ class AsyncEngine:
         self._send("abort", (request_id, time.monotonic()))
 
     def _send(self, kind: str, payload: Any) -> None:
-        self._inbox.put((kind, payload))
-        self._wake.set()
+        if self.core is not None:
+            self.core.send(kind, payload)
+        else:
+            self._steps.send(kind, payload)  # type: ignore[union-attr]
 
-    # -- the step thread ----------------------------------------------------------------------------
-    def _drain_inbox(self) -> None:
-        engine = self.engine
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._deliver_add(*payload)
-            elif kind == "abort":
-                rid, asked = payload
-                if engine.abort(rid):
-                    # Blocks are free now; the latency runs from the consumer leaving to here.
-                    latency = time.monotonic() - asked
-                    self.abort_latencies.append(latency)
-                    self.abort_latency.observe(latency)
+    # -- what the step loop emits (on the event loop) --------------------------------------------------
+    def _from_thread(self, kind: str, *args: Any) -> None:
+        self._call_loop(self._on_messages, [(kind, *args)])
 
-    def _deliver_add(self, rid: str, index: int, request: EngineRequest, params: Any, admit: int,
-                     arrival: float, grammar_template: Any = None) -> None:
-        """Runs on the step thread, so the queue check sees the scheduler's exact waiting count."""
-        try:
-            waiting = len(self.engine.scheduler.waiting)
-            if admit and waiting + admit > self.max_waiting:
-                self.rejected_overloaded += 1
-                raise EngineOverloadedError(
-                    f"The server is busy: {waiting} requests are waiting (limit {self.max_waiting}). "
-                    "Retry later.", replica=self.replica, retry_after=1.0)
-            req = self.engine.add_request(rid, request.prompt_token_ids, params, arrival, grammar=request.grammar,
-                                          grammar_template=grammar_template)
-            req.trace = request.trace_context or None
-            if index == 0:
-                # An empty first item says "accepted": callers can commit to a 200 response now and
-                # still report queue-full or invalid requests with their own status before it.
-                self._call_loop(self._dispatch, [EngineOutput(rid, [], num_prompt_tokens=req.num_prompt_tokens,
-                                                              index=0, replica=self.replica)])
-        except EngineError as exc:
-            self._call_loop(self._fail_stream, rid, exc)
+    def _on_messages(self, messages: list[tuple[Any, ...]]) -> None:
+        for kind, *args in messages:
+            if kind == "outputs":
+                self._dispatch(args[0])
+            elif kind == "fail":
+                self._fail_stream(*args)
+            elif kind == "dead":
+                self._fail_all(args[0] if isinstance(args[0], EngineDeadError)
+                               else EngineDeadError(f"engine step loop died: {args[0]!r}"))
 
     def _fail_stream(self, rid: str, exc: BaseException) -> None:
         group = self._groups.get(rid)
@@ -377,41 +387,6 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop closed during shutdown
             pass
-
-    def _run(self) -> None:
-        engine = self.engine
-        if self.thread_nice is not None:
-            # On the replica's log ("lifecycle.*" is what a replica writes at INFO).
-            logging.getLogger("lifecycle.engine").info(
-                "engine %s: %s", self.replica or "step loop",
-                raise_thread_priority(self.thread_nice, engine.config.num_threads))
-        try:
-            while not self._stop:
-                self._drain_inbox()
-                if not engine.has_unfinished():
-                    self._stats = engine.stats()
-                    self._wake.wait(timeout=1.0)
-                    self._wake.clear()
-                    continue
-                self._step_started = t0 = time.monotonic()
-                self.faults.before_step()
-                outputs = engine.step()
-                self._step_started, now = None, time.monotonic()
-                self._stats = engine.stats()
-                if outputs:
-                    self._call_loop(self._dispatch, outputs)
-                for rid, error in engine.take_failures():
-                    self._call_loop(self._fail_stream, rid, error)
-                if self.step_hook is not None:
-                    self.step_hook(engine, outputs, now - t0)
-        except BaseException as exc:  # noqa: BLE001 - any crash makes the engine dead, loudly
-            logger.exception("engine step loop died")
-            self.dead = exc
-            error = EngineDeadError(f"engine step loop died: {exc!r}")
-            self._call_loop(self._fail_all, error)
-            return
-        for rid in list(engine.requests):
-            engine.abort(rid)
 
     def _fail_all(self, error: BaseException) -> None:
         for group in self._live_groups():

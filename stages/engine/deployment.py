@@ -1,6 +1,7 @@
 """The Engine deployment: a thin Ray Serve adapter around :class:`AsyncEngine`.
 
-One replica per GPU (CPU fallback). The step loop runs on its own thread inside the replica;
+One replica per GPU (CPU fallback). The step loop runs on its own thread inside the replica, or
+(``engine.core_process``) alone in a child process of it (:mod:`stages.engine.core_process`);
 ``submit`` admits a batch of requests in one call (:mod:`stages.admission`) and answers with each
 one's acceptance, while their tokens go to the consumer's mailbox, which ``attach`` streams: one
 item per step for all of that Egress replica's requests (:mod:`stages.channel`). ``generate`` is
@@ -36,6 +37,7 @@ from stages.admission import AdmittedStreams
 from stages.channel import ChannelHub, merge_channel_items
 from stages.config import EngineSettings
 from stages.engine.async_engine import AsyncEngine
+from stages.engine.core_process import CoreProcess, CoreSpec
 from stages.engine.engine import LLMEngine
 from stages.engine.errors import EngineDeadError
 from stages.engine.faults import StepFaults
@@ -72,13 +74,24 @@ class EngineDeployment:
         configure_tracing(tracing, component="engine")
         self.settings = EngineSettings(**(engine or {}))
         self.replica = own_replica_id()
-        self.engine = LLMEngine.from_config(self.settings.to_engine_config(model))
+        config = self.settings.to_engine_config(model)
+        faults = StepFaults(self.settings.fault_injection)
+        common = {"max_waiting": self.settings.max_waiting_requests, "replica": self.replica,
+                  "stall_timeout_s": self.settings.stall_timeout_s, "faults": faults}
         self.tracer = EngineTracer()
-        self.engine.on_finish = self.tracer.on_finish
-        self.async_engine = AsyncEngine(self.engine, max_waiting=self.settings.max_waiting_requests,
-                                        replica=self.replica, stall_timeout_s=self.settings.stall_timeout_s,
-                                        faults=StepFaults(self.settings.fault_injection),
-                                        thread_nice=self.settings.step_thread_nice)
+        if self.settings.core_process:
+            spec = CoreSpec(config, max_waiting=self.settings.max_waiting_requests, replica=self.replica,
+                            thread_nice=self.settings.step_thread_nice, fault_injection=faults.enabled,
+                            tracing=tracing)
+            self.async_engine = AsyncEngine(core=CoreProcess(spec), **common)
+            # The child loads the model; this loop stays free meanwhile.
+            await asyncio.to_thread(self.async_engine.start, asyncio.get_running_loop())
+        else:
+            engine_core = LLMEngine.from_config(config)
+            engine_core.on_finish = self.tracer.on_finish
+            self.async_engine = AsyncEngine(engine_core, thread_nice=self.settings.step_thread_nice, **common)
+            # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
+            self.async_engine.start(asyncio.get_running_loop())
         # Requests whose Egress replica died are aborted (no zombie decoding: stages.liveness).
         self.consumers = ConsumerWatch(self._consumer_gone)
         #: Each Egress replica's mailbox: the tokens of its channel requests (stages.channel).
@@ -88,15 +101,13 @@ class EngineDeployment:
         #: Admission calls received and the requests they carried (their ratio is the batching).
         self.admission_calls = 0
         self.admission_requests = 0
-        # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
-        self.async_engine.start(asyncio.get_running_loop())
         self._seq = itertools.count()
         self._last_ttft = 0.0
         self.directory = directory
         self._reporter = asyncio.create_task(self._report_loop()) if directory is not None else None
-        logger.info("engine %s ready: %s, max_model_len=%d, %d KV blocks of %d tokens", self.replica,
-                    model, self.engine.max_model_len, self.engine.block_manager.num_blocks,
-                    self.engine.config.block_size)
+        logger.info("engine %s ready: %s, max_model_len=%d, %d KV blocks of %d tokens%s", self.replica,
+                    model, self.async_engine.max_model_len, self.async_engine.num_blocks, config.block_size,
+                    f", step loop in process {self.async_engine.core.pid}" if self.async_engine.core else "")
 
     def _check_alive(self) -> None:
         problem = self.async_engine.health_problem()
@@ -185,9 +196,10 @@ class EngineDeployment:
 
     def _report(self) -> EngineReport:
         return EngineReport(replica=self.replica, node_id=ray.get_runtime_context().get_node_id(),
-                            max_model_len=self.engine.max_model_len,
+                            max_model_len=self.async_engine.max_model_len,
                             healthy=self.async_engine.health_problem() is None,
                             stats={**self.async_engine.snapshot(), **self.tracer.counters(),
+                                   **self.async_engine.loop_counters(),
                                    "consumer_gone_aborts": self.consumers.ended,
                                    "channel_mailboxes": len(self.channels),
                                    "admitted_streams": len(self.admitted),
@@ -203,7 +215,7 @@ class EngineDeployment:
         return {**self._report().stats, "replica": self.replica}
 
     async def info(self) -> dict[str, Any]:
-        return {"max_model_len": self.engine.max_model_len, "alive": self.async_engine.is_alive,
+        return {"max_model_len": self.async_engine.max_model_len, "alive": self.async_engine.is_alive,
                 "replica": self.replica}
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -216,8 +228,7 @@ class EngineDeployment:
         token since the last call (held while busy with none new, 0 when idle)."""
         from stages.autoscaling import KV_USAGE, TTFT, WAITING
 
-        recent = self.engine.recent_ttfts
-        ttfts = [recent.popleft() for _ in range(len(recent))]
+        ttfts = self.async_engine.take_ttfts()
         stats = self.async_engine.stats()
         if ttfts:
             self._last_ttft = sum(ttfts) / len(ttfts)
@@ -237,7 +248,14 @@ class EngineDeployment:
     async def inject_fault(self, kind: str = "step_exception", after_steps: int = 0) -> None:
         """Tests only: make an upcoming engine step raise (:mod:`stages.engine.faults`). Refused
         unless ``engine.fault_injection`` (or ``LIFECYCLE_FAULT_INJECTION=1``) enabled it."""
-        self.async_engine.faults.arm(kind, after_steps)
+        self.async_engine.arm_fault(kind, after_steps)
+
+    def __del__(self) -> None:
+        """Serve's graceful shutdown: stop the engine core process, if any, before this one goes
+        (pending requests are aborted there; it would also stop on its own once this process is gone)."""
+        engine = getattr(self, "async_engine", None)
+        if engine is not None and engine.core is not None:
+            engine.core.shutdown(timeout=5.0)
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: the step loop died, or has had work and
