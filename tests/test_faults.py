@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -106,16 +107,62 @@ def _kill(app: str, deployment: str) -> tuple[int, float]:
     return replica["pid"], time.monotonic()
 
 
+def _core_pid(replica_pid: int) -> int:
+    """The engine core process (``engine.core_process``) a replica started."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if b"stages.engine.core_process" in cmd and ppid == replica_pid:
+            return int(entry)
+    raise AssertionError(f"no engine core process under replica {replica_pid}")
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
 def test_engine_replica_killed_mid_stream(fault_app: ServeApp) -> None:
     _ready(fault_app)
     streams = Streams(fault_app.url, 8, max_tokens=400)
     streams.wait_started()
+    (replica,) = replica_actors(APP)["Engine"]
+    core = _core_pid(replica["pid"])
     pid, killed_at = _kill(APP, "Engine")
     results = streams.join(30)
     _assert_error_events(results, killed_at)
     print(f"\nengine killed: all 8 clients ended {max(r.ended_at for r in results) - killed_at:.2f} s later")
+    # Its core process saw its socket close: it stops after its step, and holds no model memory.
+    wait_for(lambda: not _running(core), 15, "the killed replica's engine core process to exit")
     assert _recovers(fault_app), "/health never said 503 while no engine was alive"
     assert [r["pid"] for r in replica_actors(APP)["Engine"]] != [pid]
+    assert _completion(fault_app).status_code == 200
+    wait_for(lambda: _engine_idle(fault_app), 30, "the new engine to be idle")
+
+
+def test_engine_core_process_killed_mid_stream(fault_app: ServeApp) -> None:
+    """The model's own process dies (the OOM killer picks the biggest): its streams end with an
+    error event at once, and the replica, now unhealthy, is replaced."""
+    _ready(fault_app)
+    streams = Streams(fault_app.url, 8, max_tokens=400)
+    streams.wait_started()
+    (replica,) = replica_actors(APP)["Engine"]
+    os.kill(_core_pid(replica["pid"]), signal.SIGKILL)
+    killed_at = time.monotonic()
+    results = streams.join(30)
+    _assert_error_events(results, killed_at)
+    print(f"\nengine core killed: all 8 clients ended {max(r.ended_at for r in results) - killed_at:.2f} s later")
+    assert _recovers(fault_app), "/health never said 503 while the engine was dead"
+    wait_for(lambda: [r["pid"] for r in replica_actors(APP).get("Engine", [])] not in ([], [replica["pid"]]), RECOVERY_S,
+             "Serve to replace the replica")
     assert _completion(fault_app).status_code == 200
     wait_for(lambda: _engine_idle(fault_app), 30, "the new engine to be idle")
 
