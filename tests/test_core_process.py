@@ -240,6 +240,7 @@ def test_a_hung_step_in_the_child_shows_as_a_stall(tiny_model, loop) -> None:
         started = time.monotonic()
         engine.shutdown()  # releases the hang: the child stops at once, not after 600 s
         assert time.monotonic() - started < 20 and not engine.is_alive
+        engine.shutdown()  # again, as the replica's __del__ may after an explicit one: a no-op
 
 
 def test_a_killed_child_fails_its_streams_and_the_health_check(tiny_model, loop) -> None:

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -90,7 +91,8 @@ class CoreProcess:
         self._send_lock = threading.Lock()
         self._reader: threading.Thread | None = None
         self._stopping = False
-        self._ttfts: list[float] = []
+        #: Engine-side TTFTs from the child's statuses (appended by the reader, drained by the loop).
+        self._ttfts: deque[float] = deque(maxlen=4096)
         #: When the child's step in progress began (NaN between steps), written by the child.
         self._slot_fd = os.memfd_create("lifecycle-step-started")
         os.ftruncate(self._slot_fd, mmap.PAGESIZE)
@@ -148,8 +150,8 @@ class CoreProcess:
             pass
 
     def take_ttfts(self) -> list[float]:
-        out, self._ttfts = self._ttfts, []
-        return out
+        ttfts = self._ttfts  # popleft against the reader's append: safe across threads
+        return [ttfts.popleft() for _ in range(len(ttfts))]
 
     def alive(self) -> bool:
         return self.dead is None and self._proc is not None and self._proc.poll() is None
@@ -167,8 +169,6 @@ class CoreProcess:
             if status is not None:
                 messages = messages[:-1]
                 self._ttfts.extend(status.new_ttfts)
-                if len(self._ttfts) > 4096:
-                    del self._ttfts[:-4096]
                 self.status = status
             for message in messages:
                 if message[0] == "dead":
@@ -193,8 +193,9 @@ class CoreProcess:
             self._proc.wait()
         if self._conn is not None:
             self._conn.close()
-        os.close(self._slot_fd)  # the mapping stays valid (and readable) after this
-        self._slot_fd = -1
+        if self._slot_fd >= 0:  # a second shutdown (a failed start, then the replica's __del__)
+            os.close(self._slot_fd)  # the mapping stays valid (and readable) after this
+            self._slot_fd = -1
 
 
 # -- the child ----------------------------------------------------------------------------------------
@@ -210,6 +211,8 @@ class _ChildLoop(StepLoop):
         super().__init__(engine, self._buffer_message, build_grammar=self._build_grammar, **kwargs)
         self._building: set[str] = set()
         self._cancelled: set[str] = set()
+        #: The step count when the loop last published an idle status (once per idle spell).
+        self._idle_at = -1
 
     @property  # type: ignore[override]
     def step_started(self) -> float | None:
@@ -247,7 +250,7 @@ class _ChildLoop(StepLoop):
         self._flush()
 
     def idle(self) -> None:
-        if self._buffer or self.engine.num_steps != getattr(self, "_idle_at", -1):
+        if self._buffer or self.engine.num_steps != self._idle_at:
             self._idle_at = self.engine.num_steps
             self._flush()
 
