@@ -16,6 +16,7 @@ step thread computed longer" and "the step thread was off the CPU".
     .venv/bin/python bench/burst_pairs.py --pairs 6 --worker-nice 15   # + the graph with Ray's threads reniced
     .venv/bin/python bench/burst_pairs.py --pairs 6 --pin              # + the step thread alone on a CPU
     .venv/bin/python bench/burst_pairs.py --pairs 8 --core-process     # the graph's step loop in its own process
+    .venv/bin/python bench/burst_pairs.py --pairs 6 --local-core       # + the step loop in a child of this process, no Serve
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from stages.model_info import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
 NICE_SIDE = "graph_workers_reniced"
 #: The graph again with the step thread alone on the last CPU and everything else on the others.
 PIN_SIDE = "graph_step_thread_pinned"
+#: The same engine as in-process, its step loop in a core process of this one: the graph's child
+#: without the graph (is a slower graph the child itself, or the stages beside it?).
+LOCAL_CORE_SIDE = "local_core_process"
 
 
 def thread_counters(pid: int, tid: int) -> dict[str, float]:
@@ -180,6 +184,7 @@ async def burst(one: Any, streams: int, tokens: int, pid: int, tid: int) -> dict
 
 async def run(a: argparse.Namespace, settings: EngineSettings, url: str) -> dict[str, list[dict[str, float]]]:
     engine, inproc = await inproc_side(settings, load_tokenizer(EMBEDDED_MODEL))
+    engines = [engine]
     sides: dict[str, list[dict[str, float]]] = {"in_process": [], "graph": []}
     try:
         async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=256)) as client:
@@ -203,6 +208,18 @@ async def run(a: argparse.Namespace, settings: EngineSettings, url: str) -> dict
                 names.append(PIN_SIDE)
                 sides[PIN_SIDE] = []
                 where[PIN_SIDE] = where["graph"]
+            if a.local_core:
+                local, local_one = await local_core_side(settings, load_tokenizer(EMBEDDED_MODEL))
+                engines.append(local)
+                await local_one(0, "warm up", 4)
+                assert local.core is not None and local.core.pid is not None
+                before = thread_cpu(local.core.pid)
+                await asyncio.gather(*[local_one(i, text, 16) for i, text in enumerate(prompts(a.streams))])
+                after = thread_cpu(local.core.pid)
+                local_tid = max(after, key=lambda t: after[t] - before.get(t, 0.0))
+                names.append(LOCAL_CORE_SIDE)
+                sides[LOCAL_CORE_SIDE] = []
+                where[LOCAL_CORE_SIDE] = (local_one, local.core.pid, local_tid)
             for i in range(a.pairs):
                 order = names[i % len(names):] + names[:i % len(names)]  # each side leads in turn
                 for side in order:
@@ -219,8 +236,26 @@ async def run(a: argparse.Namespace, settings: EngineSettings, url: str) -> dict
                     sides[side].append(res)
                     print(f"pair {i} {side}: " + json.dumps({k: round(v, 2) for k, v in res.items()}), flush=True)
     finally:
-        engine.shutdown()
+        for e in engines:
+            e.shutdown()
     return sides
+
+
+async def local_core_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]:
+    """The in-process side's engine with its step loop in a core process (``engine.core_process``)
+    of this process: the graph's child, with no Serve around it."""
+    from bench.bench_graph import inproc_one
+    from stages.engine.async_engine import AsyncEngine
+    from stages.engine.core_process import CoreProcess, CoreSpec
+
+    engine = AsyncEngine(core=CoreProcess(CoreSpec(settings.to_engine_config(EMBEDDED_MODEL))))
+    loop = asyncio.get_running_loop()
+    await asyncio.to_thread(engine.start, loop)
+
+    def one(i: int, text: str, mt: int) -> Any:
+        return inproc_one(engine, f"c{i}-{time.monotonic_ns()}", tok(text)["input_ids"], mt)
+
+    return engine, one
 
 
 def summary(sides: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
@@ -231,7 +266,7 @@ def summary(sides: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     out: dict[str, Any] = {"graph_over_in_process_per_pair": [round(r, 3) for r in ratios],
                            "graph_over_in_process_median": statistics.median(ratios),
                            "step_thread_cpu_graph_over_in_process": med["graph"]["on_cpu_s"] / med["in_process"]["on_cpu_s"]}
-    for extra in (NICE_SIDE, PIN_SIDE):
+    for extra in (NICE_SIDE, PIN_SIDE, LOCAL_CORE_SIDE):
         if extra not in sides:
             continue
         ratio = [g["tok_s"] / p["tok_s"] for p, g in zip(sides["in_process"], sides[extra], strict=True)]
@@ -255,6 +290,9 @@ def main() -> None:
                         "thread on the machine on the others, undone after each burst")
     p.add_argument("--core-process", action="store_true",
                    help="the graph's engine runs its step loop in a child process (engine.core_process: true)")
+    p.add_argument("--local-core", action="store_true",
+                   help="also run the in-process engine with its step loop in a core process of this one "
+                        "(no Serve): the graph's child without the stages beside it")
     p.add_argument("--out", default="bench/results/burst_pairs.json")
     a = p.parse_args()
     env = machine()

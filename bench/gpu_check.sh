@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with a CUDA GPU, in under 10 minutes: the parity test on CUDA,
-# the engine benchmark (parts a and d, float32 on CUDA), the graph benchmark (--quick), every figure
+# FlexAttention paged decode and CUDA-graph replay against SDPA (tokens, then step times), the
+# engine benchmark (parts a and d, float32 on CUDA), the graph benchmark (--quick), every figure
 # printed and the JSON kept under $OUT (default bench/results/gpu). Not part of `make test`.
 #
 #   bash bench/gpu_check.sh            # after `make setup` (a CUDA build of torch in .venv)
@@ -38,6 +39,11 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 # 1. Token parity with transformers, engine on CUDA in float32 (the reference stays on CPU).
 step parity 240 env LIFECYCLE_TEST_DEVICE=cuda "$PY" -m pytest -q -x tests/test_engine_parity.py \
   -k "one_at_a_time or chunked_prefill or logits_close"
+# 1b. FlexAttention over the block tables and decode steps replayed from captured CUDA graphs
+#     (attention=flex, decode_graphs=cuda: the CUDA defaults), tokens against the SDPA path.
+step flex_graphs 150 env LIFECYCLE_TEST_DEVICE=cuda "$PY" -m pytest -q -x tests/test_flex_attention.py
+# 1c. Decode step time: sdpa vs flex vs flex + CUDA graphs at 1, 8 and 32 sequences.
+step decode_graphs 120 "$PY" bench/bench_decode_graphs.py --device cuda --rounds 2 --out "$OUT/decode_graphs.json"
 # 2. Engine core vs transformers on the same device: batch-1 decode and the step-time table.
 step engine 180 "$PY" bench/bench_engine.py --device cuda --parts a,d --weights float32 --quick \
   --out "$OUT/engine.json"

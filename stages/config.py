@@ -59,8 +59,12 @@ class EngineSettings(_Strict):
     enable_prefix_caching: bool = True
     #: Linear-layer weights: auto (the GGUF's own quantisation on CPU, else float) | float32 | int4 | int8.
     weights: Literal["auto", "float32", "int4", "int8"] = "auto"
-    #: Decode attention: auto (a paged kernel built for this CPU, else gather + SDPA) | paged_kernel | sdpa.
-    attention: Literal["auto", "paged_kernel", "sdpa"] = "auto"
+    #: Decode attention: auto (a paged kernel built for this CPU, else gather + SDPA; FlexAttention
+    #: over the block tables on CUDA) | paged_kernel | flex | sdpa.
+    attention: Literal["auto", "paged_kernel", "flex", "sdpa"] = "auto"
+    #: Decode-only steps replayed from CUDA graphs captured per batch size: auto (on CUDA with flex
+    #: attention) | cuda | static (the same padded static-buffer step run eagerly: CPU tests) | off.
+    decode_graphs: Literal["auto", "cuda", "static", "off"] = "auto"
     #: Quantised matmuls: auto (the block kernel built for this CPU: int8 activations, integer dot
     #: products; torch's int4/int8 kernels where it cannot be built) | native | torch.
     quant_kernel: Literal["auto", "native", "torch"] = "auto"

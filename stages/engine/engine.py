@@ -50,8 +50,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     #: Linear-layer weights: auto (a GGUF's own quantisation on CPU, else float) | float32 | int4 | int8.
     weights: str = "auto"
-    #: Decode attention: auto (the paged CPU kernel where it builds, else SDPA) | paged_kernel | sdpa.
+    #: Decode attention: auto (the paged CPU kernel where it builds, else SDPA; FlexAttention on
+    #: CUDA) | paged_kernel | flex | sdpa.
     attention: str = "auto"
+    #: Decode steps from CUDA graphs: auto (on CUDA with flex attention) | cuda | static | off.
+    decode_graphs: str = "auto"
     #: Quantised matmuls: auto (the block kernel where it builds, else torch's) | native | torch.
     quant_kernel: str = "auto"
     #: Prompt tokens go through the paged kernel too, in the decodes' one call per layer, when every
@@ -158,6 +161,7 @@ class LLMEngine:
             prefill_threads_min_tokens=config.prefill_threads_min_tokens,
             weights=config.weights, model=config.model, attention=config.attention, quant_kernel=config.quant_kernel,
             prefill_kernel_max_len=config.prefill_kernel_max_len, kv_cache_dtype=config.kv_cache_dtype,
+            decode_graphs=config.decode_graphs, max_decode_rows=config.max_num_seqs,
         ), load_config(config.model), load_state_dict(config.model))
         from stages.engine.structured import GrammarBackend
 

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from stages.engine.decode_graphs import DecodeGraphs, capture_sizes
 from stages.engine.errors import SamplingError
+from stages.engine.flex_paged import FlexPagedAttention
 from stages.engine.loader import quantized_weights, resolve_weights
 from stages.engine.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
 from stages.engine.sampler import Sampler, SamplingContext
@@ -52,8 +54,16 @@ class RunnerConfig:
     #: Quantised layers use their quantised kernel below this many rows, a dense GEMM at or above
     #: (0: measured on this machine at load, see :func:`quant.calibrate_dense_min_rows`).
     dense_min_rows: int = 0
-    #: Decode attention: auto (the paged kernel on CPU where it builds, else sdpa) | paged_kernel | sdpa.
+    #: Decode attention: auto (the paged kernel on CPU where it builds, else sdpa; flex on CUDA) |
+    #: paged_kernel | flex (FlexAttention over the block tables, :mod:`stages.engine.flex_paged`) | sdpa.
     attention: str = "auto"
+    #: Decode-only steps replayed from CUDA graphs (:mod:`stages.engine.decode_graphs`): auto (on
+    #: CUDA when attention is flex) | cuda | static (the same padded static-buffer forward, run
+    #: eagerly: for tests on CPU) | off.
+    decode_graphs: str = "auto"
+    #: Most decode rows in one step (the engine's ``max_num_seqs``): the flex buffers' and the
+    #: largest graph's size.
+    max_decode_rows: int = 64
     #: Quantised matmuls: auto (the block kernel, int8 activations, where it builds; else torch's) |
     #: native | torch (torch's int4/int8 kernels, bfloat16 activations).
     quant_kernel: str = "auto"
@@ -90,6 +100,10 @@ class ModelRunner:
 
     def __init__(self, config: RunnerConfig, hf_config: object, state_dict: dict[str, torch.Tensor]) -> None:
         self.config = config
+        self.device = torch.device(config.device)
+        # Checked before any weight is touched, so a bad setting fails at once.
+        self.attention = self._attention(config.attention)
+        graph_mode = self._graph_mode(config.decode_graphs)
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
         #: Intra-op threads of an ordinary step, and of one that prefills many tokens (CPU only).
@@ -98,7 +112,6 @@ class ModelRunner:
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise NotImplementedError(f"architecture {arch} is not supported (have {ARCHITECTURES})")
-        self.device = torch.device(config.device)
         self.dtype = config.torch_dtype()
         self.args = LlamaArgs.from_hf_config(hf_config)
         t0 = time.monotonic()
@@ -124,11 +137,25 @@ class ModelRunner:
         self.cache_dtype = config.cache_dtype(self.weights)
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_gb)
-        shape = (self.num_blocks * self.block_size, self.args.num_kv_heads, self.args.head_dim)
+        # FlexAttention's padded rows need a block no request owns: one more than the block
+        # manager hands out (``num_blocks`` is what it gets).
+        cache_blocks = self.num_blocks + (1 if self.attention == "flex" else 0)
+        shape = (cache_blocks * self.block_size, self.args.num_kv_heads, self.args.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
                            torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
                           for _ in range(self.args.num_layers)]
-        self.paged_kernel = self._decode_kernel(config.attention)
+        self.paged_kernel = self._decode_kernel(config.attention) if self.attention == "paged_kernel" else None
+        if self.attention == "paged_kernel" and self.paged_kernel is None:
+            self.attention = "sdpa"  # auto, and the kernel did not build
+        self.flex: FlexPagedAttention | None = None
+        self.graphs: DecodeGraphs | None = None
+        if self.attention == "flex":
+            self.flex = FlexPagedAttention(cache_blocks, self.block_size, scratch_block=self.num_blocks,
+                                           max_rows=config.max_decode_rows, device=self.device)
+            if graph_mode != "off":
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, self.flex,
+                                           capture_sizes(config.max_decode_rows), self.device, graph_mode)
+                self.graphs.capture()
         from stages.engine.kernels import row_argmax
 
         # Greedy decoding's argmax as one vector scan per row on CPU (torch's: ~1 ns an element).
@@ -148,6 +175,28 @@ class ModelRunner:
         if kernel is None and choice == "native":
             raise RuntimeError("quant_kernel=native: the kernel could not be built (see the log)")
         return kernel
+
+    def _attention(self, choice: str) -> str:
+        """The decode attention this runner uses: paged_kernel | flex | sdpa."""
+        if choice not in ("auto", "paged_kernel", "flex", "sdpa"):
+            raise ValueError(f"attention must be auto, paged_kernel, flex or sdpa, not {choice!r}")
+        if choice != "auto":
+            return choice
+        # On CPU the C++ kernel (one call per layer, no compile); elsewhere FlexAttention.
+        return "paged_kernel" if self.device.type == "cpu" else "flex"
+
+    def _graph_mode(self, choice: str) -> str:
+        """How decode-only steps run under flex attention: cuda | static | off."""
+        if choice not in ("auto", "cuda", "static", "off"):
+            raise ValueError(f"decode_graphs must be auto, cuda, static or off, not {choice!r}")
+        if choice == "auto":
+            return "cuda" if self.device.type == "cuda" and self.attention == "flex" else "off"
+        if choice == "cuda" and self.device.type != "cuda":
+            raise ValueError("decode_graphs=cuda needs a CUDA device")
+        if choice != "off" and self.attention != "flex":
+            # The replayed step reads its block tables from the flex buffers.
+            raise ValueError(f"decode_graphs={choice} needs attention=flex")
+        return choice
 
     def _decode_kernel(self, choice: str) -> Any:
         """The paged decode-attention kernel, or None for gather + SDPA."""
@@ -224,7 +273,13 @@ class ModelRunner:
             meta.block_size = self.block_size
             meta.kernel_threads = torch.get_num_threads()
             return torch.tensor(ids, dtype=torch.long, device=dev), meta, ordered
-        if decodes and self.paged_kernel is not None:
+        if decodes and self.flex is not None:
+            # FlexAttention reads each row's blocks in place, as the block table lists them.
+            meta.num_decodes = len(decodes)
+            meta.flex = self.flex
+            meta.flex_mask = self.flex.fill([s.request.block_table[:-(-(s.start + 1) // self.block_size)]
+                                             for s in decodes], [s.start + 1 for s in decodes])
+        elif decodes and self.paged_kernel is not None:
             # The kernel walks each sequence's block table itself: no slot lists, no mask.
             nb = max(-(-(s.start + 1) // self.block_size) for s in decodes)
             meta.num_decodes = len(decodes)
@@ -282,13 +337,21 @@ class ModelRunner:
             threads = self.threads_for(batch)
             if threads != torch.get_num_threads():  # cheap; the OpenMP pools keep their threads
                 torch.set_num_threads(threads)
-        input_ids, meta, ordered = self.prepare(batch)
+        graph_step = self.graphs is not None and self._graph_step(batch)
+        if graph_step:
+            ordered = batch
+        else:
+            input_ids, meta, ordered = self.prepare(batch)
         samplers = [s.request for s in ordered if s.samples]
         mask_future = None
         if grammars is not None and any(r.grammar is not None for r in samplers):
             mask_future = self._mask_pool().submit(grammars.fill_bitmask, [r.grammar for r in samplers],
                                                    [r.output_token_ids for r in samplers])
-        logits = self.model(input_ids, meta, self.kv_caches)
+        if graph_step:
+            assert self.graphs is not None
+            logits = self.graphs.run(*self._decode_inputs(batch))
+        else:
+            logits = self.model(input_ids, meta, self.kv_caches)
         bitmask = mask_future.result() if mask_future is not None else None
         if not samplers:
             return {}
@@ -300,6 +363,26 @@ class ModelRunner:
                                         constrained=req.grammar is not None))
         sampled = self.sampler.sample_or_fail(logits.float(), rows, bitmask)
         return {req.request_id: out for req, out in zip(samplers, sampled, strict=True)}
+
+    def _graph_step(self, batch: list[ScheduledRequest]) -> bool:
+        """Whether ``batch`` replays a decode graph: decodes only, each sampling, few enough."""
+        assert self.graphs is not None
+        return (len(batch) <= self.graphs.max_size
+                and all(s.num_new_tokens == 1 and s.samples for s in batch))
+
+    def _decode_inputs(self, decodes: list[ScheduledRequest]
+                       ) -> tuple[list[int], list[int], list[int], list[list[int]], list[int]]:
+        """Token ids, positions, cache slots, block tables and context lengths of decode rows."""
+        bs = self.block_size
+        ids, positions, slots, tables, ctx = [], [], [], [], []
+        for s in decodes:
+            req, pos = s.request, s.start
+            ids.append(req.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(req.block_table[pos // bs] * bs + pos % bs)
+            tables.append(req.block_table[:pos // bs + 1])
+            ctx.append(pos + 1)
+        return ids, positions, slots, tables, ctx
 
     def _mask_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._masks is None:

@@ -95,6 +95,10 @@ class AttentionMetadata:
     decode_ctx_lens: torch.Tensor | None = None
     block_size: int = 16
     kernel_threads: int = 1
+    #: FlexAttention over the paged cache (:mod:`stages.engine.flex_paged`) when the runner uses
+    #: it: decodes read the blocks ``flex_mask`` lists for their row, in place.
+    flex: Any = None
+    flex_mask: Any = None
     #: Flattened indices of the tokens whose logits are wanted (one per sampling sequence).
     logits_indices: torch.Tensor | None = None
 
@@ -197,6 +201,8 @@ class Attention(nn.Module):
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         """Attention of the single-token queries ``q`` ``[B, H, d]`` over their cached contexts."""
+        if meta.flex is not None:
+            return meta.flex(q, k_cache, v_cache, meta.flex_mask, self.scale)
         if meta.paged_kernel is not None:
             out = meta.paged_kernel(q, k_cache, v_cache, meta.decode_tables, meta.decode_ctx_lens,
                                     meta.block_size, self.scale, meta.kernel_threads)

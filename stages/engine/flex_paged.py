@@ -1,0 +1,119 @@
+"""Paged decode attention through FlexAttention: torch's own route to a paged kernel on any device.
+
+Each decode row's block table becomes the row of a ``BlockMask`` over the *physical* cache: the
+cache ``[slots, kv_heads, d]`` is viewed (not copied) as one batch-1 sequence ``[1, kv_heads,
+slots, d]``, and row ``b`` lists the physical blocks it may read. FlexAttention then visits only
+those blocks, so no per-layer gather of every block is made; on CUDA it compiles to a Triton
+(flex-decoding) kernel, on CPU to inductor's C++ template.
+
+The blocks of a row split in two, as FlexAttention wants them:
+
+- *full* blocks (every slot is context): listed in ``full_kv_indices``, read with no mask;
+- the last block when the context ends inside it: listed in ``kv_indices``, read through a
+  ``mask_mod`` that keeps slots ``< last_len[b]`` of it. Only that one block pays for the mask.
+
+A block shared by several rows (the prefix cache) is simply listed by each of them.
+
+Every index tensor lives in a buffer sized for ``max_rows``, and each step writes into it in
+place. That is what a CUDA graph needs (:mod:`stages.engine.decode_graphs`): a graph captured
+over these buffers reads whatever the step wrote there. Rows past a step's real ones (a batch
+padded up to a captured size) read one slot of the scratch block, which no request owns.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+
+class FlexPagedAttention:
+    """Block masks over a paged KV cache, and the compiled FlexAttention call that reads them.
+
+    ``num_blocks`` counts every block of the cache tensor, the scratch block included;
+    ``scratch_block`` is the one that padded rows read (and that padded tokens' K/V go to)."""
+
+    def __init__(self, num_blocks: int, block_size: int, scratch_block: int, max_rows: int,
+                 device: torch.device, compile: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.max_rows = max_rows
+        self.device = device
+        i32 = {"dtype": torch.int32, "device": device}
+        # FlexAttention's CPU lowering wants the index tensors as wide as the whole (physical)
+        # KV length, so each row has room for every block; a step writes only its tables' width.
+        self.full_num = torch.zeros(max_rows, 1, 1, **i32)
+        self.full_idx = torch.zeros(max_rows, 1, 1, num_blocks, **i32)
+        self.part_num = torch.zeros(max_rows, 1, 1, **i32)
+        self.part_idx = torch.zeros(max_rows, 1, 1, num_blocks, **i32)
+        self.last_len = torch.zeros(max_rows, **i32)
+        # The mask reads it by row; with a symbolic length inductor's CPU template emits a bounds
+        # check naming a size it never declares (torch 2.13), so its length is kept static.
+        torch._dynamo.mark_static(self.last_len)
+        # Dynamic in the batch size: one compilation serves every row count (a second one is
+        # made the first time the count changes; inductor caches both on disk).
+        self._attend = torch.compile(flex_attention, dynamic=True) if compile else flex_attention
+        self._masks: dict[int, BlockMask] = {}
+
+    def mask(self, rows: int) -> BlockMask:
+        """The block mask over the first ``rows`` rows of the buffers (one object per row count,
+        views of the same storage, so a captured graph sees later writes)."""
+        if rows not in self._masks:
+            last_len, bs = self.last_len, self.block_size
+
+            def partial_block(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+                return (kv_idx % bs) < last_len[b]
+
+            self._masks[rows] = BlockMask.from_kv_blocks(
+                self.part_num[:rows], self.part_idx[:rows], self.full_num[:rows], self.full_idx[:rows],
+                BLOCK_SIZE=(1, bs), mask_mod=partial_block, seq_lengths=(1, self.num_blocks * bs),
+                compute_q_blocks=False)  # inference only: no backward, so no transposed index
+        return self._masks[rows]
+
+    def fill(self, tables: list[list[int]], ctx_lens: list[int], rows: int | None = None) -> BlockMask:
+        """Write the step's decode rows (``tables[b]``: physical block ids, ``ctx_lens[b]``: tokens
+        of context including the new one) into the buffers; rows ``len(tables)..rows-1`` become
+        padding that reads one slot of the scratch block. Returns the mask for ``rows``."""
+        n = len(tables)
+        rows = n if rows is None else rows
+        if not n <= rows <= self.max_rows:
+            raise ValueError(f"{n} decode rows padded to {rows}: at most {self.max_rows}")
+        bs = self.block_size
+        full = [c // bs for c in ctx_lens]
+        width = max([len(t) for t in tables] + [1])
+        # Built on the host in one tensor per field, then one copy each (no per-row device writes).
+        table = torch.zeros(rows, width, dtype=torch.int32)
+        part = torch.full((rows,), self.scratch_block, dtype=torch.int32)
+        last = torch.ones(rows, dtype=torch.int32)
+        full_num = torch.zeros(rows, dtype=torch.int32)
+        for b, (t, c, f) in enumerate(zip(tables, ctx_lens, full, strict=True)):
+            table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
+            full_num[b] = f
+            if c % bs:
+                part[b] = t[f]
+                last[b] = c % bs
+        has_part = torch.ones(rows, dtype=torch.int32)
+        has_part[:n] = torch.tensor([1 if c % bs else 0 for c in ctx_lens], dtype=torch.int32)
+        self.full_num[:rows, 0, 0].copy_(full_num, non_blocking=True)
+        self.full_idx[:rows, 0, 0, :width].copy_(table, non_blocking=True)
+        self.part_num[:rows, 0, 0].copy_(has_part, non_blocking=True)
+        self.part_idx[:rows, 0, 0, 0].copy_(part, non_blocking=True)
+        self.last_len[:rows].copy_(last, non_blocking=True)
+        return self.mask(rows)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: BlockMask,
+                 scale: float) -> torch.Tensor:
+        """Attention of ``q`` ``[rows, heads, d]`` (one query per row) over the cache ``[slots,
+        kv_heads, d]`` as ``mask`` allows; returns ``[rows, heads, d]`` in ``q``'s dtype."""
+        if k_cache.dtype != q.dtype:
+            # FlexAttention wants one dtype: read a cache kept in another (bfloat16 under float32)
+            # as q's, by rounding q instead of converting the whole cache.
+            q_in = q.to(k_cache.dtype)
+        else:
+            q_in = q
+        k = k_cache.unsqueeze(0).transpose(1, 2)  # [1, kv_heads, slots, d], a view
+        v = v_cache.unsqueeze(0).transpose(1, 2)
+        out = self._attend(q_in.unsqueeze(2), k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        return out.squeeze(2).to(q.dtype)
