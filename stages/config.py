@@ -97,14 +97,18 @@ class EngineSettings(_Strict):
     #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.faults`). Off.
     fault_injection: bool = False
 
-    def to_engine_config(self, model: str) -> EngineConfig:
+    def to_engine_config(self, model: str, resolve_device: bool = True) -> EngineConfig:
+        """The engine core's config for ``model``. ``resolve_device=False`` leaves ``auto`` for
+        :meth:`LLMEngine.from_config` to resolve where the model loads: an Engine replica whose
+        step loop runs in a core process then never imports torch (seconds of start-up and
+        ~300 MB it would not use)."""
         from stages.engine.engine import EngineConfig
 
         device = self.device
-        if device == "auto":
-            import torch
+        if device == "auto" and resolve_device:
+            from stages.engine.engine import resolve_device as resolve
 
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+            device = resolve(device)
         fields = self.model_dump(exclude={"device", *_REPLICA_ONLY})
         return EngineConfig(model=model, device=device, **fields)
 

@@ -41,7 +41,8 @@ def tiny_model() -> Path:
 
 
 def _config(model: Path, **kw: Any) -> EngineConfig:
-    base = {"model": str(model), "weights": "float32", "num_threads": 1, "kv_cache_memory_gb": 0.02,
+    # device auto: the child resolves it (the replica side never imports torch, see below).
+    base = {"model": str(model), "device": "auto", "weights": "float32", "num_threads": 1, "kv_cache_memory_gb": 0.02,
             "max_num_seqs": 8, "max_num_batched_tokens": 256}
     return EngineConfig(**{**base, **kw})
 
@@ -306,3 +307,22 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+def test_the_replica_side_never_imports_torch() -> None:
+    """With a core process the Engine replica's own process needs no torch: the child resolves
+    ``device: auto`` and loads the model. (The replica would otherwise spend seconds of start-up
+    and ~300 MB on an import it never uses.)"""
+    code = textwrap.dedent("""
+        import sys
+        import stages.engine.deployment, stages.engine.tracing
+        from stages.config import EngineSettings
+        from stages.engine.async_engine import AsyncEngine
+        from stages.engine.core_process import CoreProcess, CoreSpec
+        config = EngineSettings().to_engine_config("embedded:smollm2-135m-instruct", resolve_device=False)
+        AsyncEngine(core=CoreProcess(CoreSpec(config)))
+        print(config.device, "torch" in sys.modules)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.split() == ["auto", "False"], out.stderr[-2000:]

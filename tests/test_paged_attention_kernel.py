@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -127,6 +128,12 @@ def test_a_bfloat16_model_on_cpu_decodes_a_batch_through_the_kernel():
 
 
 def _run_mixed(prefill_kernel_max_len: int, **config: Any) -> tuple[dict[str, list[int]], dict[str, list[float]], list[tuple]]:
+    """:func:`_mixed_run`, once per argument set in this session (each run loads a model)."""
+    return _mixed_run(prefill_kernel_max_len, tuple(sorted(config.items())))
+
+
+@functools.cache
+def _mixed_run(prefill_kernel_max_len: int, config_items: tuple) -> tuple[dict[str, list[int]], dict[str, list[float]], list[tuple]]:
     """A chunked prompt, a short one, then one sharing the first's prefix (a cache hit) arriving
     while the others decode: steps mixing decodes, prompt chunks at an offset, and cached blocks."""
     import random
@@ -137,7 +144,7 @@ def _run_mixed(prefill_kernel_max_len: int, **config: Any) -> tuple[dict[str, li
     # float32 weights: with int8 activations (the quantised default) a 1e-6 difference in attention
     # can flip an activation's rounding, and logprobs then move by ~0.1 on such random prompts.
     eng = LLMEngine.from_config(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64, weights="float32",
-                                             prefill_kernel_max_len=prefill_kernel_max_len, **config))
+                                             prefill_kernel_max_len=prefill_kernel_max_len, **dict(config_items)))
     layouts = []
     prepare = eng.runner.prepare
 
@@ -186,13 +193,18 @@ def test_prompt_tokens_through_the_kernel_match_gather_and_sdpa():
 def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(prefill_kernel_max_len):
     """``kv_cache_dtype="bfloat16"`` under a float32 model: the kernel reads it, SDPA paths cast it
     back, and the only change is K/V's rounding (measured: logprobs within 0.016 of float32)."""
-    from stages.engine.engine import EngineConfig, LLMEngine
 
     f32_tokens, f32_lp, _ = _run_mixed(prefill_kernel_max_len)
     bf_tokens, bf_lp, _ = _run_mixed(prefill_kernel_max_len, kv_cache_dtype="bfloat16")
     assert bf_tokens == f32_tokens
     for rid in f32_lp:
         torch.testing.assert_close(torch.tensor(bf_lp[rid]), torch.tensor(f32_lp[rid]), rtol=0, atol=0.05)
+
+
+@needs_kernel
+def test_a_bfloat16_kv_cache_halves_the_bytes_per_token_and_is_the_quantised_default():
+    from stages.engine.engine import EngineConfig, LLMEngine
+
     sizes, per_token = {}, {}
     for dtype in ("float32", "bfloat16"):
         runner = LLMEngine.from_config(EngineConfig(kv_cache_memory_gb=0.05, kv_cache_dtype=dtype)).runner

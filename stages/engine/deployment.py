@@ -74,7 +74,8 @@ class EngineDeployment:
         configure_tracing(tracing, component="engine")
         self.settings = EngineSettings(**(engine or {}))
         self.replica = own_replica_id()
-        config = self.settings.to_engine_config(model)
+        # With a core process the child resolves device=auto: this process never imports torch.
+        config = self.settings.to_engine_config(model, resolve_device=not self.settings.core_process)
         faults = StepFaults(self.settings.fault_injection)
         common = {"max_waiting": self.settings.max_waiting_requests, "replica": self.replica,
                   "stall_timeout_s": self.settings.stall_timeout_s, "faults": faults}

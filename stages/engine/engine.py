@@ -11,7 +11,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from stages.engine.block_manager import BlockManager
@@ -26,6 +26,15 @@ from stages.engine.scheduler import Scheduler, SchedulerConfig
 from stages.protocol import EngineOutput, GrammarSpec, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` as a concrete device: ``cuda`` when torch sees one, else ``cpu`` (imports torch)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @dataclass
@@ -148,7 +157,10 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model named in ``config`` and build an engine around it."""
+        """Load the model named in ``config`` and build an engine around it (``device="auto"``
+        resolves here, in the process that holds the model)."""
+        if config.device == "auto":
+            config = replace(config, device=resolve_device(config.device))
         from stages.engine.loader import load_state_dict
         from stages.engine.model_runner import ModelRunner, RunnerConfig
         from stages.model_info import load_config, model_info
