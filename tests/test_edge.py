@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -148,3 +149,43 @@ def test_serve_proxy_actor_is_off_the_path_but_answers(serve_app: ServeApp, edge
     with socket.create_connection(("127.0.0.1", port), timeout=5):
         pass
     assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == MODEL_NAME
+
+
+def test_haproxy_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    """Ray's HAProxy manager actor killed outright (``ray stop --force``, an OOM kill) must not
+    leave its HAProxy holding the port: the next ``make serve``, or the restarted manager's own
+    HAProxy (``-dR``: no port sharing), could not bind it."""
+    from tests.serve_harness import real_haproxy
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(f"defaults\n    mode http\n    timeout connect 1s\n    timeout client 5s\n    timeout server 5s\n"
+                   f"frontend http_frontend\n    bind 127.0.0.1:{port}\n    http-request return status 200\n")
+    # The "manager": a process that starts the wrapper as Ray's does (a child it keeps) and waits.
+    manager = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, time\n"
+         f"p = subprocess.Popen([{str(WRAPPER)!r}, '-db', '-f', {str(cfg)!r}])\n"
+         "print(p.pid, flush=True)\ntime.sleep(120)\n"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "LIFECYCLE_HAPROXY_BINARY": real_haproxy()})
+    try:
+        assert manager.stdout is not None
+        haproxy = int(manager.stdout.readline())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError("the wrapped HAProxy never answered")
+        assert psutil.Process(haproxy).name() == "haproxy"  # the wrapper exec'd into it: same pid
+        manager.kill()
+        manager.wait(timeout=10)
+        psutil.Process(haproxy).wait(timeout=5)  # gone, not orphaned
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # and the port is free again
+    finally:
+        manager.kill()
