@@ -71,12 +71,17 @@ def test_padded_rows_leave_the_real_ones_alone(flex_case) -> None:
     tables, ctx = [[3, 7], [9]], [20, 9]
     q = torch.randn(2, 9, 64, generator=g).to(DEVICE)
     alone = attn(q, k_cache, v_cache, attn.fill(tables, ctx), 0.125)
-    padded_q = torch.cat([q, torch.randn(3, 9, 64, generator=g).to(DEVICE)])
-    padded = attn(padded_q, k_cache, v_cache, attn.fill(tables, ctx, rows=5), 0.125)
+    padded_q = torch.cat([q, torch.randn(6, 9, 64, generator=g).to(DEVICE)])
+    padded = attn(padded_q, k_cache, v_cache, attn.fill(tables, ctx, rows=8), 0.125)
     torch.testing.assert_close(padded[:2], alone, rtol=1e-6, atol=1e-6)
     assert torch.isfinite(padded).all()  # a padded row reads one real slot of the scratch block
+    # Row counts round up to a few sizes (one compiled kernel each); q's missing rows are zeros.
+    assert [attn.rows_for(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert attn(q, k_cache, v_cache, attn.fill(tables, ctx, rows=4), 0.125).shape == q.shape
     with pytest.raises(ValueError, match="at most 8"):
         attn.fill(tables, ctx, rows=9)
+    with pytest.raises(ValueError, match="at most 8"):
+        attn.rows_for(9)
 
 
 def test_a_bfloat16_cache_is_read_as_the_query_dtype(flex_case) -> None:

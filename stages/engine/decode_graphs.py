@@ -24,19 +24,15 @@ from typing import Any
 
 import torch
 
-from stages.engine.flex_paged import FlexPagedAttention
+from stages.engine.flex_paged import FlexPagedAttention, row_sizes
 from stages.engine.models.llama import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
-#: Captured batch sizes up to the step's row limit: every size to 4, then steps of 8 (as vLLM's).
 def capture_sizes(max_rows: int) -> list[int]:
-    """The batch sizes to capture for at most ``max_rows`` decodes a step."""
-    sizes = [s for s in (1, 2, 4) if s <= max_rows]
-    sizes += list(range(8, max_rows + 1, 8))
-    if sizes[-1] != max_rows:
-        sizes.append(max_rows)
-    return sizes
+    """The batch sizes to capture for at most ``max_rows`` decodes a step: the attention's own
+    padded row counts (1, 2, 4, then every 8), so a replayed step and an eager one compile alike."""
+    return row_sizes(max_rows)
 
 
 class DecodeGraphs:

@@ -52,10 +52,19 @@ class FlexPagedAttention:
         # The mask reads it by row; with a symbolic length inductor's CPU template emits a bounds
         # check naming a size it never declares (torch 2.13), so its length is kept static.
         torch._dynamo.mark_static(self.last_len)
-        # Dynamic in the batch size: one compilation serves every row count (a second one is
-        # made the first time the count changes; inductor caches both on disk).
-        self._attend = torch.compile(flex_attention, dynamic=True) if compile else flex_attention
+        # Row counts are rounded up to a few sizes (:meth:`rows_for`), so the compiled kernel is
+        # specialised to each: on CUDA a static batch is what selects FlexAttention's decoding
+        # kernel, and the sizes are the CUDA graphs' own.
+        self.sizes = row_sizes(max_rows)
+        self._attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
         self._masks: dict[int, BlockMask] = {}
+
+    def rows_for(self, n: int) -> int:
+        """The padded row count for ``n`` decode rows: the smallest size ``>= n``."""
+        for size in self.sizes:
+            if size >= n:
+                return size
+        raise ValueError(f"{n} decode rows: at most {self.max_rows}")
 
     def mask(self, rows: int) -> BlockMask:
         """The block mask over the first ``rows`` rows of the buffers (one object per row count,
@@ -66,18 +75,21 @@ class FlexPagedAttention:
             def partial_block(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
                 return (kv_idx % bs) < last_len[b]
 
+            # Query tiles of 128 (one tile holds the single query; the Triton kernels need the
+            # query tile to be a multiple of their 16-row block), KV tiles of one cache block.
             self._masks[rows] = BlockMask.from_kv_blocks(
                 self.part_num[:rows], self.part_idx[:rows], self.full_num[:rows], self.full_idx[:rows],
-                BLOCK_SIZE=(1, bs), mask_mod=partial_block, seq_lengths=(1, self.num_blocks * bs),
+                BLOCK_SIZE=(128, bs), mask_mod=partial_block, seq_lengths=(1, self.num_blocks * bs),
                 compute_q_blocks=False)  # inference only: no backward, so no transposed index
         return self._masks[rows]
 
     def fill(self, tables: list[list[int]], ctx_lens: list[int], rows: int | None = None) -> BlockMask:
         """Write the step's decode rows (``tables[b]``: physical block ids, ``ctx_lens[b]``: tokens
         of context including the new one) into the buffers; rows ``len(tables)..rows-1`` become
-        padding that reads one slot of the scratch block. Returns the mask for ``rows``."""
+        padding that reads one slot of the scratch block. ``rows`` defaults to :meth:`rows_for`.
+        Returns the mask for ``rows``."""
         n = len(tables)
-        rows = n if rows is None else rows
+        rows = self.rows_for(n) if rows is None else rows
         if not n <= rows <= self.max_rows:
             raise ValueError(f"{n} decode rows padded to {rows}: at most {self.max_rows}")
         bs = self.block_size
@@ -105,8 +117,12 @@ class FlexPagedAttention:
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: BlockMask,
                  scale: float) -> torch.Tensor:
-        """Attention of ``q`` ``[rows, heads, d]`` (one query per row) over the cache ``[slots,
-        kv_heads, d]`` as ``mask`` allows; returns ``[rows, heads, d]`` in ``q``'s dtype."""
+        """Attention of ``q`` ``[n, heads, d]`` (one query per row) over the cache ``[slots,
+        kv_heads, d]`` as ``mask`` allows; returns ``[n, heads, d]`` in ``q``'s dtype. ``q`` may
+        have fewer rows than ``mask`` (the padded count): the rest are computed on zeros and dropped."""
+        n, rows = q.shape[0], mask.kv_num_blocks.shape[0]
+        if n < rows:
+            q = torch.cat([q, q.new_zeros((rows - n, *q.shape[1:]))])
         if k_cache.dtype != q.dtype:
             # FlexAttention wants one dtype: read a cache kept in another (bfloat16 under float32)
             # as q's, by rounding q instead of converting the whole cache.
@@ -116,4 +132,13 @@ class FlexPagedAttention:
         k = k_cache.unsqueeze(0).transpose(1, 2)  # [1, kv_heads, slots, d], a view
         v = v_cache.unsqueeze(0).transpose(1, 2)
         out = self._attend(q_in.unsqueeze(2), k, v, block_mask=mask, scale=scale, enable_gqa=True)
-        return out.squeeze(2).to(q.dtype)
+        return out.squeeze(2)[:n].to(q.dtype)
+
+
+def row_sizes(max_rows: int) -> list[int]:
+    """Padded decode-row counts up to ``max_rows``: 1, 2, 4, then every 8 (as vLLM captures)."""
+    sizes = [s for s in (1, 2, 4) if s <= max_rows]
+    sizes += list(range(8, max_rows + 1, 8))
+    if not sizes or sizes[-1] != max_rows:
+        sizes.append(max_rows)
+    return sizes
