@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from stages.config import EngineSettings
-from stages.engine.decode_graphs import DecodeGraphs, capture_sizes
+from stages.engine.decode_graphs import DecodeGraphs
 from stages.engine.engine import EngineConfig, LLMEngine
-from stages.engine.flex_paged import FlexPagedAttention
+from stages.engine.flex_paged import FlexPagedAttention, row_sizes
 from stages.engine.model_runner import ModelRunner, RunnerConfig
 from stages.model_info import EMBEDDED_MODEL, load_config
 from stages.protocol import SamplingParams
@@ -95,10 +95,10 @@ def test_a_bfloat16_cache_is_read_as_the_query_dtype(flex_case) -> None:
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-def test_capture_sizes_cover_every_batch() -> None:
-    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert capture_sizes(3) == [1, 2, 3]
-    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+def test_row_sizes_cover_every_batch() -> None:
+    assert row_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert row_sizes(3) == [1, 2, 3]
+    assert row_sizes(12) == [1, 2, 4, 8, 12]
 
 
 # -- the engine with flex attention and replayed decode steps ---------------------------------
@@ -171,7 +171,6 @@ def test_settings_and_their_errors() -> None:
         with pytest.raises(ValueError, match="needs a CUDA device"):
             ModelRunner(RunnerConfig(attention="flex", decode_graphs="cuda", num_kv_blocks=8), args, {})
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-            DecodeGraphs(lambda *a: None, [], FlexPagedAttention(4, 16, 3, 2, DEVICE, compile=False), [1, 2],
-                         DEVICE, "cuda")
+            DecodeGraphs(lambda *a: None, [], FlexPagedAttention(4, 16, 3, 2, DEVICE, compile=False), DEVICE, "cuda")
     with pytest.raises(ValueError, match="attention must be"):
         ModelRunner(RunnerConfig(attention="paged", num_kv_blocks=8), args, {})

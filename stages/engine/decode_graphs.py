@@ -9,7 +9,7 @@ forward is one launch. A graph replays fixed addresses and shapes, so:
   step overwrites before the replay;
 - a step of ``n`` decodes runs the graph of the smallest captured size ``>= n``; the extra rows
   are padding that writes its K/V into the scratch block and reads one slot of it;
-- steps with prompt tokens, or more decodes than the largest size, run eagerly as before.
+- steps with prompt tokens run eagerly.
 
 ``mode="static"`` runs the same padded, static-buffer forward without capturing: the CPU tests
 check with it that padding and buffer reuse leave every real row's logits as the eager step's.
@@ -24,15 +24,10 @@ from typing import Any
 
 import torch
 
-from stages.engine.flex_paged import FlexPagedAttention, row_sizes
+from stages.engine.flex_paged import FlexPagedAttention
 from stages.engine.models.llama import AttentionMetadata
 
 logger = logging.getLogger(__name__)
-
-def capture_sizes(max_rows: int) -> list[int]:
-    """The batch sizes to capture for at most ``max_rows`` decodes a step: the attention's own
-    padded row counts (1, 2, 4, then every 8), so a replayed step and an eager one compile alike."""
-    return row_sizes(max_rows)
 
 
 class DecodeGraphs:
@@ -40,7 +35,7 @@ class DecodeGraphs:
     same static buffers (``mode="static"``)."""
 
     def __init__(self, model: Callable[..., torch.Tensor], kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 flex: FlexPagedAttention, sizes: list[int], device: torch.device, mode: str = "cuda") -> None:
+                 flex: FlexPagedAttention, device: torch.device, mode: str = "cuda") -> None:
         if mode not in ("cuda", "static"):
             raise ValueError(f"decode graph mode must be cuda or static, not {mode!r}")
         if mode == "cuda" and device.type != "cuda":
@@ -48,10 +43,10 @@ class DecodeGraphs:
         self.model = model
         self.kv_caches = kv_caches
         self.flex = flex
-        self.sizes = sorted(set(sizes))
-        if not self.sizes or self.sizes[-1] > flex.max_rows:
-            raise ValueError(f"capture sizes {sizes} must be within the attention's {flex.max_rows} rows")
-        self.max_size = self.sizes[-1]
+        #: Captured sizes: the attention's own padded row counts (1, 2, 4, then every 8), so a
+        #: replayed step and an eager one use the same compiled kernels.
+        self.sizes = flex.sizes
+        self.max_size = flex.max_rows
         self.mode = mode
         self.device = device
         long = {"dtype": torch.long, "device": device}
@@ -64,13 +59,6 @@ class DecodeGraphs:
         self.outputs: dict[int, torch.Tensor] = {}
         #: Steps replayed, by size (for the benchmark and the tests).
         self.replays: dict[int, int] = {}
-
-    def size_for(self, n: int) -> int | None:
-        """The smallest captured size that holds ``n`` decodes, or None (run it eagerly)."""
-        for size in self.sizes:
-            if size >= n:
-                return size
-        return None
 
     def _forward(self, size: int) -> torch.Tensor:
         meta = AttentionMetadata(positions=self.positions[:size], slot_mapping=self.slot_mapping[:size],
@@ -91,9 +79,9 @@ class DecodeGraphs:
     def capture(self) -> float:
         """Capture every size (largest first, sharing one memory pool); returns the seconds taken.
         Each size runs twice first, which also compiles FlexAttention for it."""
-        t0 = time.monotonic()
         if self.mode != "cuda":
             return 0.0
+        t0 = time.monotonic()
         pool = None
         for size in reversed(self.sizes):
             self._load([], [], [], [], [], size)  # every row padding: writes only the scratch block
@@ -117,9 +105,7 @@ class DecodeGraphs:
             ctx_lens: list[int]) -> torch.Tensor:
         """Logits ``[n, vocab]`` of a decode-only step of ``n <= max_size`` rows."""
         n = len(ids)
-        size = self.size_for(n)
-        if size is None:
-            raise ValueError(f"{n} decodes: the largest captured size is {self.max_size}")
+        size = self.flex.rows_for(n)
         self._load(ids, positions, slots, tables, ctx_lens, size)
         if self.mode == "cuda":
             self.graphs[size].replay()

@@ -49,12 +49,10 @@ class FlexPagedAttention:
         self.part_num = torch.zeros(max_rows, 1, 1, **i32)
         self.part_idx = torch.zeros(max_rows, 1, 1, num_blocks, **i32)
         self.last_len = torch.zeros(max_rows, **i32)
-        # The mask reads it by row; with a symbolic length inductor's CPU template emits a bounds
-        # check naming a size it never declares (torch 2.13), so its length is kept static.
-        torch._dynamo.mark_static(self.last_len)
-        # Row counts are rounded up to a few sizes (:meth:`rows_for`), so the compiled kernel is
-        # specialised to each: on CUDA a static batch is what selects FlexAttention's decoding
-        # kernel, and the sizes are the CUDA graphs' own.
+        # Row counts are rounded up to a few sizes (:meth:`rows_for`) and the kernel is compiled
+        # static for each: on CUDA a static batch is what selects FlexAttention's decoding kernel,
+        # the sizes are the CUDA graphs' own, and (torch 2.13) with a dynamic batch inductor's CPU
+        # template emitted a bounds check on ``last_len`` naming a size it never declared.
         self.sizes = row_sizes(max_rows)
         self._attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
         self._masks: dict[int, BlockMask] = {}
@@ -92,22 +90,17 @@ class FlexPagedAttention:
         rows = self.rows_for(n) if rows is None else rows
         if not n <= rows <= self.max_rows:
             raise ValueError(f"{n} decode rows padded to {rows}: at most {self.max_rows}")
-        bs = self.block_size
-        full = [c // bs for c in ctx_lens]
-        width = max([len(t) for t in tables] + [1])
-        # Built on the host in one tensor per field, then one copy each (no per-row device writes).
-        table = torch.zeros(rows, width, dtype=torch.int32)
-        part = torch.full((rows,), self.scratch_block, dtype=torch.int32)
-        last = torch.ones(rows, dtype=torch.int32)
-        full_num = torch.zeros(rows, dtype=torch.int32)
-        for b, (t, c, f) in enumerate(zip(tables, ctx_lens, full, strict=True)):
-            table[b, :len(t)] = torch.tensor(t, dtype=torch.int32)
-            full_num[b] = f
-            if c % bs:
-                part[b] = t[f]
-                last[b] = c % bs
-        has_part = torch.ones(rows, dtype=torch.int32)
-        has_part[:n] = torch.tensor([1 if c % bs else 0 for c in ctx_lens], dtype=torch.int32)
+        bs, pad = self.block_size, rows - n
+        tail = [c % bs for c in ctx_lens]  # tokens in a partial last block (0: none)
+        width = max((len(t) for t in tables), default=1)
+        # Built on the host as one tensor per field, then one copy each. A padded row has no full
+        # block and reads one slot of the scratch block.
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
+        full_num = torch.tensor([c // bs for c in ctx_lens] + [0] * pad, dtype=torch.int32)
+        has_part = torch.tensor([int(r > 0) for r in tail] + [1] * pad, dtype=torch.int32)
+        part = torch.tensor([t[c // bs] if r else 0 for t, c, r in zip(tables, ctx_lens, tail, strict=True)]
+                            + [self.scratch_block] * pad, dtype=torch.int32)
+        last = torch.tensor([r or bs for r in tail] + [1] * pad, dtype=torch.int32)
         self.full_num[:rows, 0, 0].copy_(full_num, non_blocking=True)
         self.full_idx[:rows, 0, 0, :width].copy_(table, non_blocking=True)
         self.part_num[:rows, 0, 0].copy_(has_part, non_blocking=True)

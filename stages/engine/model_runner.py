@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from stages.engine.decode_graphs import DecodeGraphs, capture_sizes
+from stages.engine.decode_graphs import DecodeGraphs
 from stages.engine.errors import SamplingError
 from stages.engine.flex_paged import FlexPagedAttention
 from stages.engine.loader import quantized_weights, resolve_weights
@@ -153,8 +153,7 @@ class ModelRunner:
             self.flex = FlexPagedAttention(cache_blocks, self.block_size, scratch_block=self.num_blocks,
                                            max_rows=config.max_decode_rows, device=self.device)
             if graph_mode != "off":
-                self.graphs = DecodeGraphs(self.model, self.kv_caches, self.flex,
-                                           capture_sizes(config.max_decode_rows), self.device, graph_mode)
+                self.graphs = DecodeGraphs(self.model, self.kv_caches, self.flex, self.device, graph_mode)
                 self.graphs.capture()
         from stages.engine.kernels import row_argmax
 
@@ -199,10 +198,9 @@ class ModelRunner:
         return choice
 
     def _decode_kernel(self, choice: str) -> Any:
-        """The paged decode-attention kernel, or None for gather + SDPA."""
-        if choice not in ("auto", "paged_kernel", "sdpa"):
-            raise ValueError(f"attention must be auto, paged_kernel or sdpa, not {choice!r}")
-        if choice == "sdpa" or self.device.type != "cpu" or self.cache_dtype not in (torch.float32, torch.bfloat16):
+        """The paged decode-attention kernel for ``choice`` auto or paged_kernel (checked by
+        :meth:`_attention`), or None for gather + SDPA."""
+        if self.device.type != "cpu" or self.cache_dtype not in (torch.float32, torch.bfloat16):
             if choice == "paged_kernel":
                 raise ValueError("attention=paged_kernel needs the CPU with float32 or bfloat16")
             return None
@@ -277,8 +275,8 @@ class ModelRunner:
             # FlexAttention reads each row's blocks in place, as the block table lists them.
             meta.num_decodes = len(decodes)
             meta.flex = self.flex
-            meta.flex_mask = self.flex.fill([s.request.block_table[:-(-(s.start + 1) // self.block_size)]
-                                             for s in decodes], [s.start + 1 for s in decodes])
+            *_, tables, ctx_lens = self._decode_inputs(decodes)
+            meta.flex_mask = self.flex.fill(tables, ctx_lens)
         elif decodes and self.paged_kernel is not None:
             # The kernel walks each sequence's block table itself: no slot lists, no mask.
             nb = max(-(-(s.start + 1) // self.block_size) for s in decodes)
@@ -365,10 +363,9 @@ class ModelRunner:
         return {req.request_id: out for req, out in zip(samplers, sampled, strict=True)}
 
     def _graph_step(self, batch: list[ScheduledRequest]) -> bool:
-        """Whether ``batch`` replays a decode graph: decodes only, each sampling, few enough."""
-        assert self.graphs is not None
-        return (len(batch) <= self.graphs.max_size
-                and all(s.num_new_tokens == 1 and s.samples for s in batch))
+        """Whether ``batch`` replays a decode graph: decodes only, each sampling (never more than
+        ``max_num_seqs`` rows, the largest captured size)."""
+        return all(s.num_new_tokens == 1 and s.samples for s in batch)
 
     def _decode_inputs(self, decodes: list[ScheduledRequest]
                        ) -> tuple[list[int], list[int], list[int], list[list[int]], list[int]]:
