@@ -203,16 +203,24 @@ def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(prefill_kern
 
 @needs_kernel
 def test_a_bfloat16_kv_cache_halves_the_bytes_per_token_and_is_the_quantised_default():
+    # A tiny random-weight model: what is checked is the cache's dtype and size, not the model
+    # (the embedded model's four loads took ~38 s); int8 weights stand for any quantised format.
     from stages.engine.engine import EngineConfig, LLMEngine
+    from stages.model_info import cache_root
+    from tests.tools_model import build_tools_model
+
+    model = str(build_tools_model(cache_root() / "test-models" / "tiny-hermes-tools"))
+
+    def runner(**kw: Any) -> Any:
+        return LLMEngine.from_config(EngineConfig(model=model, kv_cache_memory_gb=0.01, **kw)).runner
 
     sizes, per_token = {}, {}
     for dtype in ("float32", "bfloat16"):
-        runner = LLMEngine.from_config(EngineConfig(kv_cache_memory_gb=0.05, kv_cache_dtype=dtype)).runner
-        assert runner.kv_caches[0][0].dtype == getattr(torch, dtype)
-        sizes[dtype], per_token[dtype] = runner.num_blocks, runner.kv_bytes_per_token
+        r = runner(weights="float32", kv_cache_dtype=dtype)
+        assert r.kv_caches[0][0].dtype == getattr(torch, dtype)
+        sizes[dtype], per_token[dtype] = r.num_blocks, r.kv_bytes_per_token
     assert per_token["float32"] == 2 * per_token["bfloat16"]
-    # auto: bfloat16 under the quantised default, float32 under float32 weights.
-    for weights, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
-        runner = LLMEngine.from_config(EngineConfig(kv_cache_memory_gb=0.05, weights=weights)).runner
-        assert runner.kv_caches[0][0].dtype == want
+    # auto: bfloat16 under quantised weights, float32 under float32 weights.
+    for weights, want in (("int8", torch.bfloat16), ("float32", torch.float32)):
+        assert runner(weights=weights).kv_caches[0][0].dtype == want
     assert 2 * sizes["float32"] <= sizes["bfloat16"] <= 2 * sizes["float32"] + 1  # the same bytes, floored
