@@ -23,7 +23,7 @@ sha256sum "$gguf" | cut -d' ' -f1 > .gpu/model.sha256
 # Wheels for CPython 3.12 on x86-64 Linux, the versions this venv runs (no dependencies: the
 # machine has numpy, pyyaml and tqdm; typing_extensions goes too, as pydantic wants a recent one).
 want=()
-for name in pydantic pydantic_core annotated_types typing_inspection gguf; do
+for name in pydantic pydantic_core annotated_types typing_inspection typing_extensions gguf; do
   want+=("$name==$("$PY" -c "import importlib.metadata as m; print(m.version('$name'))")")
 done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

