@@ -84,6 +84,16 @@ def graph_side(client: httpx.AsyncClient, url: str) -> Any:
     return one
 
 
+def lean_graph_side(lean: Any) -> Any:
+    """The same over ``bench.lean_client``: the graph measured with almost no client work per token."""
+    async def one(i: int, text: str, mt: int) -> dict[str, Any]:
+        r = await lean.stream_completion({"model": MODEL_NAME, "prompt": text, "max_tokens": mt,
+                                          "temperature": 0, "ignore_eos": True})
+        timing = (r.final or {}).get("server_timing") or {}
+        return {"ttft": r.ttft, "e2e": r.e2e, "times": r.token_times, "n": r.num_tokens, "timing": timing}
+    return one
+
+
 async def _suite(one: Any, a: argparse.Namespace) -> dict[str, Any]:
     """Idle TTFT/ITL (sequential), 1-stream and N-stream throughput."""
     texts = prompts(max(a.streams, a.idle_reps))
@@ -91,9 +101,9 @@ async def _suite(one: Any, a: argparse.Namespace) -> dict[str, Any]:
     idle = [await one(i, texts[i], a.idle_tokens) for i in range(a.idle_reps)]
     itls = [b - x for r in idle for x, b in zip(r["times"], r["times"][1:], strict=False)]
     single = await one(99, texts[0], a.tokens)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     many = await asyncio.gather(*[one(1000 + i, texts[i], a.tokens) for i in range(a.streams)])
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     total = sum(r["n"] for r in many)
     assert total == a.streams * a.tokens, total
     many_itls = [b - x for r in many for x, b in zip(r["times"], r["times"][1:], strict=False) if b > x]
@@ -120,6 +130,9 @@ async def _suite(one: Any, a: argparse.Namespace) -> dict[str, Any]:
         # Distinct arrival times per stream at N streams: how many tokens each SSE event carried.
         f"tokens_per_event_{a.streams}": total / max(1, sum(len(set(r["times"])) for r in many)),
         f"itl_p50_ms_{a.streams}": pct(many_itls, 50) * 1e3,
+        # This process's CPU per token over the N-stream wave: the client's own work on a graph
+        # side (the in-process engine idles then); the engine's compute too on the in-process side.
+        f"bench_cpu_ms_per_token_{a.streams}": cpu / total * 1e3,
     }
 
 
@@ -131,6 +144,12 @@ async def run_rounds(settings: EngineSettings, tok: Any, urls: dict[str, str], a
     try:
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
             sides = {"in_process": inproc_one_fn, **{name: graph_side(client, url) for name, url in urls.items()}}
+            if a.lean_client:
+                from bench.lean_client import LeanClient
+
+                lean = LeanClient(urls["graph"])
+                sides["graph[lean client]"] = lean_graph_side(lean)
+                runs["graph[lean client]"] = []
             for rnd in range(a.rounds):
                 order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
                 for name in order:
@@ -160,6 +179,9 @@ def main() -> None:
                    help="also run the graph through Serve's proxy actor (the edge before HAProxy; its fallback port)")
     p.add_argument("--per-request", action="store_true",
                    help="same as --variant engine.stream_channel=false: one stream item per request per step")
+    p.add_argument("--lean-client", action="store_true",
+                   help="also measure the graph with bench.lean_client (raw socket, no per-event JSON): "
+                        "what the httpx client's own work on the same cores costs the graph")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default="bench/results/graph.json")
     a = p.parse_args()
