@@ -425,21 +425,28 @@ def part_c(b: Bench, prompt_len: int, prefix_len: int, repeats: int,
     return out
 
 
-def bandwidth(nbytes: int, repeats: int) -> dict[str, float]:
+def bandwidth(nbytes: int, repeats: int, device: str = "cpu") -> dict[str, float]:
+    """Best copy and read bandwidth of ``device``'s memory (on CUDA the GPU's, synchronised around
+    each timing: the floor of a GPU step is its HBM, not the host's memory)."""
     n = nbytes // 4
-    src = torch.ones(n, dtype=torch.float32)
+    src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     copy_s, sum_s = [], []
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         dst.copy_(src)
+        sync()
         copy_s.append(time.perf_counter() - t0)
     for _ in range(repeats):
+        sync()
         t0 = time.perf_counter()
         src.sum()
+        sync()
         sum_s.append(time.perf_counter() - t0)
     del src, dst
-    return {"tensor_bytes": nbytes, "repeats": repeats,
+    return {"tensor_bytes": nbytes, "repeats": repeats, "device": device,
             "copy_gb_s_read_plus_write": 2 * nbytes / min(copy_s) / 1e9,
             "read_gb_s_sum": nbytes / min(sum_s) / 1e9}
 
@@ -480,7 +487,7 @@ def part_d(b: Bench, formats: list[str], n: int, repeats: int, bw_bytes: int, bw
     """Batch-1 decode step per weight format, measured alternately, next to the bandwidth floor of
     the bytes that format actually reads per step."""
     print(f"[d] batch-1 decode step vs bandwidth floor, per weight format {formats}", flush=True)
-    bw = bandwidth(bw_bytes, bw_repeats)
+    bw = bandwidth(bw_bytes, bw_repeats, b.args.device)
     best = max(bw["copy_gb_s_read_plus_write"], bw["read_gb_s_sum"])
     prompt = b.window(0, 32)
     steps: dict[str, list[float]] = {f: [] for f in formats}

@@ -27,8 +27,11 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 R
 SITE=/tmp/site
 use_site() { case ":${PYTHONPATH:-}:" in *":$SITE:"*) ;; *) export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}";; esac; }
 if [ -d .gpu/whl ] && ! "$PY" -c "import pydantic, gguf" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-    .gpu/whl/*.whl || exit 1
+  # Installed once per machine: a second run in the same warm window finds them in $SITE.
+  if ! PYTHONPATH="$SITE" "$PY" -c "import pydantic, gguf" 2>/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      .gpu/whl/*.whl || exit 1
+  fi
   use_site
 fi
 if [ -f /tmp/gpu/model.part1 ] && [ -f .gpu/model.part2 ] \
@@ -40,10 +43,14 @@ if [ -f /tmp/gpu/model.part1 ] && [ -f .gpu/model.part2 ] \
     echo "the joined GGUF does not match .gpu/model.sha256 (was the machine cold between the two calls?)"; exit 1
   fi
   use_site
-  export LIFECYCLE_SERVE_CACHE="${LIFECYCLE_SERVE_CACHE:-/tmp/lifecycle-serve}"
-  # Convert once, before any timed step (about 10 s).
-  "$PY" -c 'from stages.model_info import EMBEDDED_MODEL, resolve_model_dir; print("model:", resolve_model_dir(EMBEDDED_MODEL))' || exit 1
 fi
+case ":${PYTHONPATH:-}:" in *":$SITE:"*)
+  # The converted model lives beside what was carried, on every run (a rerun skips the join above
+  # but must still find the conversion, not redo it inside a timed step). About 10 s the first time.
+  export LIFECYCLE_SERVE_CACHE="${LIFECYCLE_SERVE_CACHE:-/tmp/lifecycle-serve}"
+  "$PY" -c 'from stages.model_info import EMBEDDED_MODEL, resolve_model_dir; print("model:", resolve_model_dir(EMBEDDED_MODEL))' || exit 1
+  ;;
+esac
 
 if ! "$PY" - <<'PYEOF'
 import sys, torch
@@ -66,8 +73,11 @@ step() {  # step NAME TIMEOUT_S COMMAND...
   [ "$rc" -eq 0 ] || failed=$((failed + 1))
 }
 
-# 1. Token parity with transformers, engine on CUDA in float32 (the reference stays on CPU).
-step parity 200 env LIFECYCLE_TEST_DEVICE=cuda "$PY" -m pytest -q -x --noconftest tests/test_engine_parity.py \
+# Limits: 220 + 120 + 90 + 110 = 540 s, leaving the set-up its share of a lent machine's 600 s call
+# (the graph step runs only where Ray Serve is installed, i.e. not on that machine).
+# 1. Token parity with transformers, engine on CUDA in float32 (the reference stays on CPU). On
+#    CUDA the parity engine takes 16 sequences, not 64: 5 decode sizes to compile and capture, not 11.
+step parity 220 env LIFECYCLE_TEST_DEVICE=cuda "$PY" -m pytest -q -x --noconftest tests/test_engine_parity.py \
   -k "one_at_a_time or chunked_prefill or logits_close"
 # 1b. FlexAttention over the block tables and decode steps replayed from captured CUDA graphs
 #     (attention=flex, decode_graphs=cuda: the CUDA defaults), tokens against the SDPA path.
@@ -75,7 +85,7 @@ step flex_graphs 120 env LIFECYCLE_TEST_DEVICE=cuda "$PY" -m pytest -q -x --noco
 # 1c. Decode step time: sdpa vs flex vs flex + CUDA graphs at 1, 8 and 32 sequences.
 step decode_graphs 90 "$PY" bench/bench_decode_graphs.py --device cuda --rounds 2 --out "$OUT/decode_graphs.json"
 # 2. Engine core vs transformers on the same device: batch-1 decode and the step-time table.
-step engine 150 "$PY" bench/bench_engine.py --device cuda --parts a,d --weights float32 --quick \
+step engine 110 "$PY" bench/bench_engine.py --device cuda --parts a,d --weights float32 --quick \
   --out "$OUT/engine.json"
 # 3. The graph over HTTP vs in-process, quick run (the app picks its own loopback port).
 if "$PY" -c "import ray.serve" 2>/dev/null; then

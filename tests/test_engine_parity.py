@@ -107,8 +107,10 @@ def reference(hf_model, prompts) -> list[tuple[list[int], list[float]]]:
 
 
 def _engine(**overrides) -> LLMEngine:
-    cfg = dict(model=EMBEDDED_MODEL, num_kv_blocks=1024, max_num_batched_tokens=2048, max_num_seqs=64,
-               weights="float32", device=DEVICE, dtype="float32")
+    # On CUDA every decode size is compiled and captured as a graph (11 sizes up to 64, each a
+    # Triton compile when cold): 16 sequences keep it to 5 inside gpu_check.sh's step limit.
+    cfg = dict(model=EMBEDDED_MODEL, num_kv_blocks=1024, max_num_batched_tokens=2048,
+               max_num_seqs=16 if DEVICE == "cuda" else 64, weights="float32", device=DEVICE, dtype="float32")
     cfg.update(overrides)
     return LLMEngine.from_config(EngineConfig(**cfg))
 
@@ -220,7 +222,8 @@ def test_logits_close_to_transformers(engine, hf_model, prompts):
 
 def test_a_request_whose_sampling_fails_ends_alone(engine, prompts, reference):
     # A logit_bias on a token id beyond the vocabulary: Preprocess refuses it (400), so only a caller
-    # that reaches the engine directly can send it; the real sampler raises IndexError on it.
+    # that reaches the engine directly can send it; the sampler refuses it (ValueError) before it
+    # indexes the logits.
     # That request must end with a SamplingError; the requests batched with it must not notice.
     from stages.engine.errors import SamplingError
 
@@ -238,7 +241,7 @@ def test_a_request_whose_sampling_fails_ends_alone(engine, prompts, reference):
             got[int(o.request_id[4:])].extend(o.new_token_ids)
         failures += engine.take_failures()
     assert [rid for rid, _ in failures] == ["bad"]
-    assert isinstance(failures[0][1], SamplingError) and "IndexError" in failures[0][1].message
+    assert isinstance(failures[0][1], SamplingError) and "ValueError" in failures[0][1].message
     _assert_parity(got, reference, [1, 2])
     assert "bad" not in engine.requests and engine.stats().sampling_failures == 1
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -95,6 +95,39 @@ def test_a_bfloat16_cache_is_read_as_the_query_dtype(flex_case) -> None:
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+def test_the_mask_alone_is_exact_so_uncompiled_flex_attention_agrees(flex_case) -> None:
+    """Uncompiled FlexAttention (what torch falls back to past dynamo's recompile limit) ignores
+    the block lists and applies the mask to every slot of the cache: the mask itself must keep
+    each row to its own blocks. Before it read a per-block table it let every row see every block
+    (error ~1 against the reference)."""
+    _, k_cache, v_cache, g = flex_case
+    eager = FlexPagedAttention(40, 16, scratch_block=39, max_rows=8, device=DEVICE, compile=False)
+    tables, ctx = [[3, 7], [9], [3, 12, 30]], [20, 9, 45]  # blocks 3 shared, tails 4 / 9 / 13
+    q = torch.randn(3, 9, 64, generator=g).to(DEVICE)
+    mask = eager.fill(tables, ctx, rows=4)  # one padded row too
+    vis = eager.visible[:4, :40].cpu()
+    assert vis[0].nonzero().flatten().tolist() == [3, 7] and vis[0, 3] == 16 and vis[0, 7] == 4
+    assert vis[1].nonzero().flatten().tolist() == [9] and vis[1, 9] == 9
+    assert vis[2, [3, 12, 30]].tolist() == [16, 16, 13] and int(vis[2].count_nonzero()) == 3
+    assert vis[3].nonzero().flatten().tolist() == [39] and vis[3, 39] == 1  # padding: one scratch slot
+    got = eager(q, k_cache, v_cache, mask, 0.125)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, ctx, 16, 0.125), rtol=1e-5, atol=2e-6)
+    # A later, smaller step leaves nothing of the earlier one visible.
+    eager.fill([[5]], [2], rows=1)
+    assert eager.visible[0, :40].nonzero().flatten().tolist() == [5]
+
+
+def test_every_size_gets_its_own_compiled_kernel() -> None:
+    """``max_num_seqs`` 64 needs 11 sizes; dynamo's default limit (8 per function) would leave
+    the rest uncompiled."""
+    import torch._dynamo.config as dynamo_config
+
+    attn = FlexPagedAttention(8, 16, scratch_block=7, max_rows=64, device=DEVICE, compile=False)
+    assert len(attn.sizes) == 11
+    FlexPagedAttention(8, 16, scratch_block=7, max_rows=64, device=DEVICE)
+    assert dynamo_config.recompile_limit >= 11 + 8
+
+
 def test_row_sizes_cover_every_batch() -> None:
     assert row_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert row_sizes(3) == [1, 2, 3]

@@ -154,15 +154,16 @@ def test_top_k_beyond_the_vocabulary_keeps_every_token_even_past_int64() -> None
 
 
 def test_a_row_whose_sampling_raises_fails_alone() -> None:
-    # A logit_bias on an id beyond the vocabulary makes the real sampler raise IndexError (the API
-    # refuses it; the engine's own callers need not). In a batch, only that row fails.
+    # A logit_bias on an id beyond the vocabulary (the API refuses it; the engine's own callers need
+    # not) is refused on the host before it indexes anything: on CUDA an out-of-range index is a
+    # device-side assert that ends the process. In a batch, only that row fails.
     logits = randn(4, 64, seed=41, scale=2.0)
     rows = [ctx(temperature=0.0), ctx(temperature=0.0, logit_bias={64 + 3: 5.0}),
             ctx(temperature=0.7, seed=5), ctx(temperature=0.0, logprobs=2)]
-    with pytest.raises(IndexError):
+    with pytest.raises(ValueError, match=r"logit_bias has token ids outside the vocabulary \(0\.\.63\): \[67\]"):
         Sampler().sample(logits, rows)
     out = Sampler().sample_or_fail(logits, rows)
-    assert isinstance(out[1], SamplingError) and "IndexError" in out[1].message
+    assert isinstance(out[1], SamplingError) and "ValueError" in out[1].message
     assert out[0] == (int(logits[0].argmax()), None)
     assert out[3][0] == int(logits[3].argmax()) and out[3][1] is not None
     # The batched attempt failed before anything drew from the seeded row's generator.
@@ -170,6 +171,17 @@ def test_a_row_whose_sampling_raises_fails_alone() -> None:
     # A batch that samples fine is exactly sample()'s.
     good = [rows[0], rows[3]]
     assert Sampler().sample_or_fail(logits[[0, 3]], good) == Sampler().sample(logits[[0, 3]], good)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_or_dropped() -> None:
+    logits = randn(1, 64, seed=42, scale=2.0)
+    # A negative id would index from the end on CPU (and assert on CUDA): refused like a large one.
+    for params in ({"logit_bias": {-1: 5.0}}, {"bad_words_token_ids": [[64]]}, {"bad_words_token_ids": [[-2]]}):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            Sampler().sample(logits, [ctx(temperature=0.0, **params)])
+    # allowed_token_ids keeps only the ids that exist: a negative one does not allow the last token.
+    out = Sampler().sample(logits, [ctx(temperature=0.0, allowed_token_ids=[5, -1, 99])])
+    assert out[0][0] == 5
 
 
 # -- 4. penalties -------------------------------------------------------------------------------

@@ -10,7 +10,15 @@ The blocks of a row split in two, as FlexAttention wants them:
 
 - *full* blocks (every slot is context): listed in ``full_kv_indices``, read with no mask;
 - the last block when the context ends inside it: listed in ``kv_indices``, read through a
-  ``mask_mod`` that keeps slots ``< last_len[b]`` of it. Only that one block pays for the mask.
+  ``mask_mod``. Only that one block pays for the mask.
+
+The ``mask_mod`` is exact on its own: it reads a ``[rows, blocks]`` table of how many slots of
+each physical block row ``b`` may see (``block_size`` for its full blocks, the context's tail for
+its last one, 0 for every block it does not own). The block lists are only the sparsity that lets
+the compiled kernel skip the rest. That matters because uncompiled FlexAttention (torch falls back
+to it silently, e.g. past dynamo's recompile limit) ignores the block lists and applies the
+``mask_mod`` to every slot of the cache: a mask that only looked at the slot within a block would
+then let each row read every request's blocks.
 
 A block shared by several rows (the prefix cache) is simply listed by each of them.
 
@@ -49,12 +57,29 @@ class FlexPagedAttention:
         self.part_num = torch.zeros(max_rows, 1, 1, **i32)
         self.part_idx = torch.zeros(max_rows, 1, 1, num_blocks, **i32)
         self.last_len = torch.zeros(max_rows, **i32)
+        # Slots of each physical block a row may read (see the module docstring); one column more
+        # than the cache has blocks, where the fill scatters what belongs to no block.
+        self.visible = torch.zeros(max_rows, num_blocks + 1, **i32)
+        self._cols = torch.arange(num_blocks, dtype=torch.int32, device=device)
         # Row counts are rounded up to a few sizes (:meth:`rows_for`) and the kernel is compiled
         # static for each: on CUDA a static batch is what selects FlexAttention's decoding kernel,
         # the sizes are the CUDA graphs' own, and (torch 2.13) with a dynamic batch inductor's CPU
         # template emitted a bounds check on ``last_len`` naming a size it never declared.
         self.sizes = row_sizes(max_rows)
+        if compile:
+            # One compiled kernel per size (the query is made contiguous, so a strided view and a
+            # padded copy do not compile twice). Dynamo's default limit of 8 per function is below
+            # the sizes ``max_num_seqs`` 64 needs (11); past it torch falls back to uncompiled
+            # FlexAttention, which is slow and, without an exact mask, was wrong. Only raised.
+            import torch._dynamo.config as dynamo_config
+
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(self.sizes) + 8)
         self._attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
+        # The Triton kernel FlexAttention falls back to when query heads per KV head is not a power
+        # of two (SmolLM2: 9 / 3) needs the block mask's KV block to be a multiple of its KV tile,
+        # and its default tiles on sm_90 are 32-128: make the tile one cache block. CPU keeps its
+        # template's own choice.
+        self._kernel_options = {"BLOCK_N": block_size} if device.type == "cuda" else None
         self._masks: dict[int, BlockMask] = {}
 
     def rows_for(self, n: int) -> int:
@@ -68,10 +93,10 @@ class FlexPagedAttention:
         """The block mask over the first ``rows`` rows of the buffers (one object per row count,
         views of the same storage, so a captured graph sees later writes)."""
         if rows not in self._masks:
-            last_len, bs = self.last_len, self.block_size
+            visible, bs = self.visible, self.block_size
 
             def partial_block(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-                return (kv_idx % bs) < last_len[b]
+                return (kv_idx % bs) < visible[b, kv_idx // bs]
 
             # Query tiles of 128 (one tile holds the single query; the Triton kernels need the
             # query tile to be a multiple of their 16-row block), KV tiles of one cache block.
@@ -106,7 +131,22 @@ class FlexPagedAttention:
         self.part_num[:rows, 0, 0].copy_(has_part, non_blocking=True)
         self.part_idx[:rows, 0, 0, 0].copy_(part, non_blocking=True)
         self.last_len[:rows].copy_(last, non_blocking=True)
+        self._fill_visible(rows, width)
         return self.mask(rows)
+
+    def _fill_visible(self, rows: int, width: int) -> None:
+        """Rebuild ``visible[:rows]`` from the index buffers just written, on their device (a few
+        small ops; no per-block host work). Table columns past a row's full blocks, and a row with
+        no partial block, scatter into the spare last column."""
+        spare = self.num_blocks
+        vis = self.visible[:rows]
+        vis.zero_()
+        cols = self._cols[:width].unsqueeze(0)
+        full = self.full_idx[:rows, 0, 0, :width]
+        full = torch.where(cols < self.full_num[:rows, 0], full, spare)
+        vis.scatter_(1, full.long(), self.block_size)
+        part = torch.where(self.part_num[:rows, 0, 0] > 0, self.part_idx[:rows, 0, 0, 0], spare)
+        vis.scatter_(1, part.long().unsqueeze(1), self.last_len[:rows].unsqueeze(1))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: BlockMask,
                  scale: float) -> torch.Tensor:
@@ -116,15 +156,14 @@ class FlexPagedAttention:
         n, rows = q.shape[0], mask.kv_num_blocks.shape[0]
         if n < rows:
             q = torch.cat([q, q.new_zeros((rows - n, *q.shape[1:]))])
-        if k_cache.dtype != q.dtype:
-            # FlexAttention wants one dtype: read a cache kept in another (bfloat16 under float32)
-            # as q's, by rounding q instead of converting the whole cache.
-            q_in = q.to(k_cache.dtype)
-        else:
-            q_in = q
+        # FlexAttention wants one dtype: read a cache kept in another (bfloat16 under float32) as
+        # q's, by rounding q instead of converting the whole cache. Contiguous either way: the
+        # compiled kernel is specialised on strides too (see ``__init__``).
+        q_in = q.to(k_cache.dtype).contiguous()
         k = k_cache.unsqueeze(0).transpose(1, 2)  # [1, kv_heads, slots, d], a view
         v = v_cache.unsqueeze(0).transpose(1, 2)
-        out = self._attend(q_in.unsqueeze(2), k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        out = self._attend(q_in.unsqueeze(2), k, v, block_mask=mask, scale=scale, enable_gqa=True,
+                           kernel_options=self._kernel_options)
         return out.squeeze(2)[:n].to(q.dtype)
 
 

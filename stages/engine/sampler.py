@@ -126,16 +126,27 @@ def apply_token_restrictions(logits: torch.Tensor, rows: list[SamplingContext],
             continue
         if p.allowed_token_ids is not None:
             keep = torch.zeros(vocab, dtype=torch.bool, device=device)
-            keep[torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=device)] = True
+            keep[torch.tensor([t for t in p.allowed_token_ids if 0 <= t < vocab], dtype=torch.long,
+                              device=device)] = True
             out[i].masked_fill_(~keep, float("-inf"))
         banned = [seq[-1] for seq in p.bad_words_token_ids
                   if len(seq) == 1 or r.output_token_ids[-(len(seq) - 1):] == seq[:-1]]
         if banned:
-            out[i, torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
+            out[i, torch.tensor(_in_vocab(banned, vocab, "bad_words"), dtype=torch.long, device=device)] = float("-inf")
         if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=device)
+            ids = torch.tensor(_in_vocab(list(p.logit_bias), vocab, "logit_bias"), dtype=torch.long, device=device)
             out[i, ids] += torch.tensor(list(p.logit_bias.values()), dtype=out.dtype, device=device)
     return out
+
+
+def _in_vocab(ids: list[int], vocab: int, what: str) -> list[int]:
+    """``ids``, checked on the host before they index a device tensor: on CUDA an index out of
+    range is a device-side assert that poisons the whole process, not an ``IndexError`` that
+    :meth:`Sampler.sample_or_fail` confines to one request."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"{what} has token ids outside the vocabulary (0..{vocab - 1}): {bad[:5]}")
+    return ids
 
 
 def _torch_argmax(x: torch.Tensor) -> torch.Tensor:
