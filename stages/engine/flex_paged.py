@@ -75,11 +75,15 @@ class FlexPagedAttention:
 
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, len(self.sizes) + 8)
         self._attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
-        # The Triton kernel FlexAttention falls back to when query heads per KV head is not a power
-        # of two (SmolLM2: 9 / 3) needs the block mask's KV block to be a multiple of its KV tile,
-        # and its default tiles on sm_90 are 32-128: make the tile one cache block. CPU keeps its
+        # On CUDA, the general Triton kernel with a KV tile of one cache block. It needs the block
+        # mask's KV block (one cache block, 16 slots) to be a multiple of its KV tile, and its
+        # default tiles on sm_90 are 32-128. The flex-decoding kernel is forced off because it cannot serve:
+        # it takes only power-of-two query heads per KV head (SmolLM2 has 9 / 3), and it skips
+        # every config whose tile does not divide the block, which can leave none. The older
+        # knob, not ``BACKEND``, which the lent machine's torch 2.11 may not know. CPU keeps its
         # template's own choice.
-        self._kernel_options = {"BLOCK_N": block_size} if device.type == "cuda" else None
+        self._kernel_options = ({"BLOCK_N": block_size, "FORCE_USE_FLEX_ATTENTION": True}
+                                if device.type == "cuda" else None)
         self._masks: dict[int, BlockMask] = {}
 
     def rows_for(self, n: int) -> int:
