@@ -26,6 +26,10 @@ from stages.protocol import SamplingParams
 DEVICE = torch.device(os.environ.get("LIFECYCLE_TEST_DEVICE", "cpu"))
 #: What the static-buffer step runs as: real CUDA graphs on a GPU, the same buffers eagerly here.
 GRAPH_MODE = "cuda" if DEVICE.type == "cuda" else "static"
+#: Float32 FlexAttention against gathered SDPA. Triton's kernel uses exp2 and its own tiling, so on
+#: a GPU the bound is looser than inductor's C++ template gets here (a GPU run is scarce: it must
+#: not fail on rounding).
+TOL = {"rtol": 1e-5, "atol": 2e-6} if DEVICE.type == "cpu" else {"rtol": 1e-4, "atol": 2e-5}
 
 
 def reference(q, k_cache, v_cache, tables, ctx_lens, bs, scale):
@@ -63,7 +67,7 @@ def test_rows_read_their_own_blocks_in_place(flex_case, ctx_lens) -> None:
     q = torch.randn(len(ctx_lens), 9, 64, generator=g).to(DEVICE)
     got = attn(q, k_cache, v_cache, attn.fill(tables, ctx_lens), 0.125)
     want = reference(q, k_cache, v_cache, tables, ctx_lens, bs, 0.125)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(got, want, **TOL)
 
 
 def test_padded_rows_leave_the_real_ones_alone(flex_case) -> None:
@@ -111,7 +115,7 @@ def test_the_mask_alone_is_exact_so_uncompiled_flex_attention_agrees(flex_case) 
     assert vis[2, [3, 12, 30]].tolist() == [16, 16, 13] and int(vis[2].count_nonzero()) == 3
     assert vis[3].nonzero().flatten().tolist() == [39] and vis[3, 39] == 1  # padding: one scratch slot
     got = eager(q, k_cache, v_cache, mask, 0.125)
-    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, ctx, 16, 0.125), rtol=1e-5, atol=2e-6)
+    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, ctx, 16, 0.125), **TOL)
     # A later, smaller step leaves nothing of the earlier one visible.
     eager.fill([[5]], [2], rows=1)
     assert eager.visible[0, :40].nonzero().flatten().tolist() == [5]
