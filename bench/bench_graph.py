@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import sys
@@ -75,20 +76,16 @@ async def inproc_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]:
 
 # -- graph -----------------------------------------------------------------------------------------
 def graph_side(client: httpx.AsyncClient, url: str) -> Any:
-    """The ``one`` request function over the Serve app's HTTP API."""
-    async def one(i: int, text: str, mt: int) -> dict[str, Any]:
-        r = await stream_completion(client, url, {"model": MODEL_NAME, "prompt": text, "max_tokens": mt,
-                                                  "temperature": 0, "ignore_eos": True})
-        timing = (r.final or {}).get("server_timing") or {}
-        return {"ttft": r.ttft, "e2e": r.e2e, "times": r.token_times, "n": r.num_tokens, "timing": timing}
-    return one
+    """The ``one`` request function over the Serve app's HTTP API, through httpx."""
+    return stream_side(functools.partial(stream_completion, client, url))
 
 
-def lean_graph_side(lean: Any) -> Any:
-    """The same over ``bench.lean_client``: the graph measured with almost no client work per token."""
+def stream_side(stream: Any) -> Any:
+    """The ``one`` request function over any client's streaming-completion call ``stream(body)``
+    (httpx's above, or ``bench.lean_client``'s)."""
     async def one(i: int, text: str, mt: int) -> dict[str, Any]:
-        r = await lean.stream_completion({"model": MODEL_NAME, "prompt": text, "max_tokens": mt,
-                                          "temperature": 0, "ignore_eos": True})
+        r = await stream({"model": MODEL_NAME, "prompt": text, "max_tokens": mt, "temperature": 0,
+                          "ignore_eos": True})
         timing = (r.final or {}).get("server_timing") or {}
         return {"ttft": r.ttft, "e2e": r.e2e, "times": r.token_times, "n": r.num_tokens, "timing": timing}
     return one
@@ -141,14 +138,17 @@ async def run_rounds(settings: EngineSettings, tok: Any, urls: dict[str, str], a
     engine, inproc_one_fn = await inproc_side(settings, tok)
     limits = httpx.Limits(max_connections=128, max_keepalive_connections=128)
     runs: dict[str, list[dict[str, Any]]] = {"in_process": [], **{name: [] for name in urls}}
+    lean = None
     try:
         async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-            sides = {"in_process": inproc_one_fn, **{name: graph_side(client, url) for name, url in urls.items()}}
+            sides = {"in_process": inproc_one_fn,
+                     **{name: graph_side(client, url) for name, url in urls.items()}}
             if a.lean_client:
+                # The same app through a client with almost no work per token (and no JSON per event).
                 from bench.lean_client import LeanClient
 
                 lean = LeanClient(urls["graph"])
-                sides["graph[lean client]"] = lean_graph_side(lean)
+                sides["graph[lean client]"] = stream_side(lean.stream_completion)
                 runs["graph[lean client]"] = []
             for rnd in range(a.rounds):
                 order = list(sides) if rnd % 2 == 0 else list(sides)[::-1]
@@ -157,6 +157,8 @@ async def run_rounds(settings: EngineSettings, tok: Any, urls: dict[str, str], a
                     runs[name].append(res)
                     print(f"round {rnd} {name}: {json.dumps({k: round(v, 2) for k, v in res.items()})}", flush=True)
     finally:
+        if lean is not None:
+            await lean.aclose()
         engine.shutdown()
     return runs
 

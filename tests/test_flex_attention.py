@@ -123,13 +123,17 @@ def test_the_mask_alone_is_exact_so_uncompiled_flex_attention_agrees(flex_case) 
 
 def test_every_size_gets_its_own_compiled_kernel() -> None:
     """``max_num_seqs`` 64 needs 11 sizes; dynamo's default limit (8 per function) would leave
-    the rest uncompiled."""
+    the rest uncompiled. The limit is only ever raised."""
     import torch._dynamo.config as dynamo_config
 
-    attn = FlexPagedAttention(8, 16, scratch_block=7, max_rows=64, device=DEVICE, compile=False)
-    assert len(attn.sizes) == 11
-    FlexPagedAttention(8, 16, scratch_block=7, max_rows=64, device=DEVICE)
-    assert dynamo_config.recompile_limit >= 11 + 8
+    with dynamo_config.patch(recompile_limit=8):  # the default, whatever ran before
+        attn = FlexPagedAttention(8, 16, scratch_block=7, max_rows=64, device=DEVICE, compile=False)
+        assert len(attn.sizes) == 11 and dynamo_config.recompile_limit == 8  # uncompiled: untouched
+        FlexPagedAttention(8, 16, scratch_block=7, max_rows=64, device=DEVICE)
+        assert dynamo_config.recompile_limit >= 11 + 8
+    with dynamo_config.patch(recompile_limit=100):
+        FlexPagedAttention(8, 16, scratch_block=7, max_rows=64, device=DEVICE)
+        assert dynamo_config.recompile_limit == 100
 
 
 def test_row_sizes_cover_every_batch() -> None:

@@ -56,15 +56,13 @@ class FlexPagedAttention:
         self.full_idx = torch.zeros(max_rows, 1, 1, num_blocks, **i32)
         self.part_num = torch.zeros(max_rows, 1, 1, **i32)
         self.part_idx = torch.zeros(max_rows, 1, 1, num_blocks, **i32)
-        self.last_len = torch.zeros(max_rows, **i32)
         # Slots of each physical block a row may read (see the module docstring); one column more
         # than the cache has blocks, where the fill scatters what belongs to no block.
         self.visible = torch.zeros(max_rows, num_blocks + 1, **i32)
         self._cols = torch.arange(num_blocks, dtype=torch.int32, device=device)
         # Row counts are rounded up to a few sizes (:meth:`rows_for`) and the kernel is compiled
-        # static for each: on CUDA a static batch is what selects FlexAttention's decoding kernel,
-        # the sizes are the CUDA graphs' own, and (torch 2.13) with a dynamic batch inductor's CPU
-        # template emitted a bounds check on ``last_len`` naming a size it never declared.
+        # static for each: the sizes are the CUDA graphs' own, and (torch 2.13) with a dynamic
+        # batch inductor's CPU template emitted a bounds check naming a size it never declared.
         self.sizes = row_sizes(max_rows)
         if compile:
             # One compiled kernel per size (the query is made contiguous, so a strided view and a
@@ -77,11 +75,11 @@ class FlexPagedAttention:
         self._attend = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
         # On CUDA, the general Triton kernel with a KV tile of one cache block. It needs the block
         # mask's KV block (one cache block, 16 slots) to be a multiple of its KV tile, and its
-        # default tiles on sm_90 are 32-128. The flex-decoding kernel is forced off because it cannot serve:
-        # it takes only power-of-two query heads per KV head (SmolLM2 has 9 / 3), and it skips
-        # every config whose tile does not divide the block, which can leave none. The older
-        # knob, not ``BACKEND``, which the lent machine's torch 2.11 may not know. CPU keeps its
-        # template's own choice.
+        # default tiles on sm_90 are 32-128. The flex-decoding kernel is forced off because it
+        # cannot serve: it takes only power-of-two query heads per KV head (SmolLM2 has 9 / 3),
+        # and it skips every config whose tile does not divide the block, which can leave none.
+        # The older knob, not ``BACKEND``, which the lent machine's torch 2.11 may not know. CPU
+        # keeps its template's own choice.
         self._kernel_options = ({"BLOCK_N": block_size, "FORCE_USE_FLEX_ATTENTION": True}
                                 if device.type == "cuda" else None)
         self._masks: dict[int, BlockMask] = {}
@@ -134,14 +132,14 @@ class FlexPagedAttention:
         self.full_idx[:rows, 0, 0, :width].copy_(table, non_blocking=True)
         self.part_num[:rows, 0, 0].copy_(has_part, non_blocking=True)
         self.part_idx[:rows, 0, 0, 0].copy_(part, non_blocking=True)
-        self.last_len[:rows].copy_(last, non_blocking=True)
-        self._fill_visible(rows, width)
+        self._fill_visible(rows, width, last.to(self.device, non_blocking=True))
         return self.mask(rows)
 
-    def _fill_visible(self, rows: int, width: int) -> None:
-        """Rebuild ``visible[:rows]`` from the index buffers just written, on their device (a few
-        small ops; no per-block host work). Table columns past a row's full blocks, and a row with
-        no partial block, scatter into the spare last column."""
+    def _fill_visible(self, rows: int, width: int, last: torch.Tensor) -> None:
+        """Rebuild ``visible[:rows]`` from the index buffers just written and ``last`` (slots of
+        each row's last block), on their device (a few small ops; no per-block host work). Table
+        columns past a row's full blocks, and a row with no partial block, scatter into the spare
+        last column."""
         spare = self.num_blocks
         vis = self.visible[:rows]
         vis.zero_()
@@ -150,7 +148,7 @@ class FlexPagedAttention:
         full = torch.where(cols < self.full_num[:rows, 0], full, spare)
         vis.scatter_(1, full.long(), self.block_size)
         part = torch.where(self.part_num[:rows, 0, 0] > 0, self.part_idx[:rows, 0, 0, 0], spare)
-        vis.scatter_(1, part.long().unsqueeze(1), self.last_len[:rows].unsqueeze(1))
+        vis.scatter_(1, part.long().unsqueeze(1), last.unsqueeze(1))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: BlockMask,
                  scale: float) -> torch.Tensor:
