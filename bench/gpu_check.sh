@@ -26,9 +26,9 @@ export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0 R
 # used only where it is missing (never over a .venv's own packages).
 SITE=/tmp/site
 use_site() { case ":${PYTHONPATH:-}:" in *":$SITE:"*) ;; *) export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}";; esac; }
-if [ -d .gpu/whl ] && ! "$PY" -c "import pydantic, gguf" 2>/dev/null; then
+if [ -d .gpu/whl ] && ! "$PY" -c "import pydantic, gguf, llguidance" 2>/dev/null; then
   # Installed once per machine: a second run in the same warm window finds them in $SITE.
-  if ! PYTHONPATH="$SITE" "$PY" -c "import pydantic, gguf" 2>/dev/null; then
+  if ! PYTHONPATH="$SITE" "$PY" -c "import pydantic, gguf, llguidance" 2>/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
       .gpu/whl/*.whl || exit 1
   fi

@@ -223,7 +223,7 @@ class Attention(nn.Module):
         # ([B, kvh, group, d]), so no K/V is repeated (head h reads KV head h // group).
         qd = q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale)
-        return od.view(b, self.num_heads, self.head_dim)
+        return od.reshape(b, self.num_heads, self.head_dim)  # CUDA kernels may return it strided
 
 
 class MLP(nn.Module):
