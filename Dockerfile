@@ -1,5 +1,5 @@
 # lifecycle-serve image: the project installed with the Makefile's install steps, in the same order
-# (tests/test_deploy_files.py keeps the two equal), the embedded model converted at build time,
+# (tests/unit/test_deploy_files.py keeps the two equal), the embedded model converted at build time,
 # run as a non-root user. Used as is by `docker run` and as the Ray image of k8s/rayservice.yaml.
 #
 #   docker build -t lifecycle-serve .                                         # CPU torch
@@ -12,7 +12,7 @@ FROM python:3.11-slim-bookworm
 
 # KubeRay's default pod probes run `wget ... | grep success` (bash and grep are in the base image);
 # the HEALTHCHECK below uses wget too. g++ builds the engine's CPU kernels for each node's own CPU
-# when the engine first starts there (stages/engine/kernels, cached under ~/.cache).
+# when the engine first starts there (stages/engine/runner/kernels, cached under ~/.cache).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends wget g++ \
     && rm -rf /var/lib/apt/lists/*

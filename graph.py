@@ -11,11 +11,11 @@ from typing import Any
 from ray.serve import Application
 
 from stages.config import AppConfig
-from stages.directory import DirectoryDeployment
-from stages.egress_deployment import EgressDeployment
+from stages.directory.directory import DirectoryDeployment
+from stages.egress.deployment import EgressDeployment
 from stages.engine.deployment import EngineDeployment
 from stages.ingress import Ingress
-from stages.preprocess import PreprocessDeployment
+from stages.preprocess.preprocessor import PreprocessDeployment
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

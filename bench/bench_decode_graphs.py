@@ -25,9 +25,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stages.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from stages.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
 from stages.model_info import EMBEDDED_MODEL  # noqa: E402
-from stages.protocol import SamplingParams  # noqa: E402
+from stages.transport.messages import SamplingParams  # noqa: E402
 
 
 def variants(device: str) -> dict[str, dict[str, str]]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Engine core vs transformers (issue 2): one process, same weights, same machine.
 
-Drives :class:`stages.engine.engine.LLMEngine` in-process (``add_request`` then ``step()`` in a
+Drives :class:`stages.engine.core.engine.LLMEngine` in-process (``add_request`` then ``step()`` in a
 loop; no Ray, no threads) next to Hugging Face ``transformers`` ``generate`` on the same
 SmolLM2-135M-Instruct float32 weights, and measures:
 
@@ -55,9 +55,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from stages.engine.engine import EngineConfig, LLMEngine  # noqa: E402
+from stages.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer, model_info, resolve_model_dir  # noqa: E402
-from stages.protocol import SamplingParams  # noqa: E402
+from stages.transport.messages import SamplingParams  # noqa: E402
 
 GOALS = {"a": 1.0, "b_seq": 4.0, "b_static": 1.5, "c": 5.0}
 
@@ -455,7 +455,7 @@ def step_bytes(runner: Any, context_len: int) -> dict[str, int]:
     """Bytes a batch-1 decode step reads: every linear layer's weights as its kernel reads them at
     one row (packed int4/int8 + bfloat16 scales, or float32), the LM head, the norms, one embedding
     row, and the K/V of ``context_len`` cached tokens in every layer."""
-    from stages.engine.quant import QuantLinear
+    from stages.engine.runner.quant import QuantLinear
 
     model = runner.model
     linear = head = other = 0

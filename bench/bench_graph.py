@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import MODEL_NAME, ServeApp, machine, pct, stream_completion  # noqa: E402
 from stages.config import EngineSettings  # noqa: E402
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
-from stages.protocol import EngineRequest, SamplingParams  # noqa: E402
+from stages.transport.messages import EngineRequest, SamplingParams  # noqa: E402
 
 TOPICS = ["rivers", "volcanoes", "bridges", "bees", "libraries", "glaciers", "trains", "forests"]
 
@@ -62,8 +62,8 @@ async def inproc_one(engine: Any, rid: str, ids: list[int], max_tokens: int) -> 
 
 async def inproc_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]:
     """An in-process engine and the ``one`` request function over it (the caller shuts it down)."""
-    from stages.engine.async_engine import AsyncEngine
-    from stages.engine.engine import LLMEngine
+    from stages.engine.driver.async_engine import AsyncEngine
+    from stages.engine.core.engine import LLMEngine
 
     engine = AsyncEngine(LLMEngine.from_config(settings.to_engine_config(EMBEDDED_MODEL)))
     engine.start()

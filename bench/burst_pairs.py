@@ -155,7 +155,7 @@ def engine_replica_pid() -> int:
     if replica is None:
         raise SystemExit("no Engine replica process found")
     for pid, cmd in commands.items():
-        if b"stages.engine.core_process" in cmd:
+        if b"stages.engine.driver.core_process" in cmd:
             try:
                 if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == replica:
                     return pid
@@ -245,8 +245,8 @@ async def local_core_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]
     """The in-process side's engine with its step loop in a core process (``engine.core_process``)
     of this process: the graph's child, with no Serve around it."""
     from bench.bench_graph import inproc_one
-    from stages.engine.async_engine import AsyncEngine
-    from stages.engine.core_process import CoreProcess, CoreSpec
+    from stages.engine.driver.async_engine import AsyncEngine
+    from stages.engine.driver.core_process import CoreProcess, CoreSpec
 
     engine = AsyncEngine(core=CoreProcess(CoreSpec(settings.to_engine_config(EMBEDDED_MODEL))))
     loop = asyncio.get_running_loop()

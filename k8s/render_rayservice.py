@@ -6,7 +6,7 @@
 ``serve_config.yaml`` is the single source of the application: its ``args``, deployment names and
 every deployment option are copied verbatim. Only what differs between one 2-core machine and a
 cluster is overridden here (``CLUSTER_*`` below), and only these fields, which is exactly what
-``tests/test_deploy_files.py`` allows to differ ("in sync", issue 8):
+``tests/unit/test_deploy_files.py`` allows to differ ("in sync", issue 8):
 
 - replica counts: ``num_replicas`` (for a deployment with a fixed count);
 - autoscaling bounds: ``min_replicas`` / ``max_replicas`` / ``initial_replicas`` inside an

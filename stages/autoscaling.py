@@ -47,7 +47,7 @@ from typing import Any
 WAITING, KV_USAGE, TTFT = "waiting", "kv_usage", "ttft_s"
 #: The custom metric a channel producer (Egress) reports: its open channel attaches.
 ATTACHES = "channel_attaches"
-#: Egress's custom metric: batch-admitted jobs running there (:mod:`stages.admission`). Their
+#: Egress's custom metric: batch-admitted jobs running there (:mod:`stages.transport.admission`). Their
 #: admission call ended long ago, so Serve does not count them; they are load.
 ADMITTED = "admitted_jobs"
 
@@ -123,13 +123,13 @@ def stage_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     ``target_ongoing_requests``) on the requests that are load.
 
     Each Ingress replica keeps one channel attach open on every Egress replica
-    (:mod:`stages.channel`) and Serve counts it as an ongoing request, so at 32 live streams
+    (:mod:`stages.transport.channel`) and Serve counts it as an ongoing request, so at 32 live streams
     against a target of 32 the default policy would already ask for a second replica. The replicas
     report their open attaches (``record_autoscaling_stats``) and the latest count of each is
     subtracted. Not the look-back mean: Serve's own count and a custom metric are averaged over
     different spans (measured: 33 requests against 0.2 attaches in the first seconds of a load of
     32 streams), and the attach count only changes when an Ingress replica comes or goes. Jobs
-    admitted in batches (:mod:`stages.admission`) are not Serve requests once their admission call
+    admitted in batches (:mod:`stages.transport.admission`) are not Serve requests once their admission call
     has returned: the replicas report them too, and they are added. Serve then applies the bounds,
     scaling factors and delays as it does for its own policy."""
     running = ctx.current_num_replicas

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 if TYPE_CHECKING:  # the CPU stages read this module and must not import the engine package
-    from stages.engine.engine import EngineConfig
+    from stages.engine.core.engine import EngineConfig
 
 
 class _Strict(BaseModel):
@@ -39,7 +39,7 @@ _REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s",
 
 
 class EngineSettings(_Strict):
-    """Engine core settings (see :class:`stages.engine.engine.EngineConfig`)."""
+    """Engine core settings (see :class:`stages.engine.core.engine.EngineConfig`)."""
 
     device: str = "auto"
     dtype: str = "auto"
@@ -81,20 +81,20 @@ class EngineSettings(_Strict):
     #: Seconds between the replica's reports to the Directory (app-wide /health and /metrics).
     report_interval_s: float = Field(1.0, gt=0)
     #: Tokens of all requests from one Egress replica to one engine replica share one stream, one
-    #: item per engine step (:mod:`stages.channel`); false: one stream item per request per step.
+    #: item per engine step (:mod:`stages.transport.channel`); false: one stream item per request per step.
     stream_channel: bool = True
     #: With ``stream_channel``: the streamed requests an Ingress or Egress replica sends on in one
     #: loop turn go to the next stage in one call, whose reply carries their acceptances
-    #: (:mod:`stages.admission`); false: one streamed call per request per hop.
+    #: (:mod:`stages.transport.admission`); false: one streamed call per request per hop.
     batch_admission: bool = True
     #: Nice value of the engine's step thread (Ray starts workers at nice 15; the CPU stages keep
-    #: that): normal priority where the engine leaves a core free (:mod:`stages.engine.priority`).
+    #: that): normal priority where the engine leaves a core free (:mod:`stages.engine.driver.priority`).
     #: ``None``: leave it.
     step_thread_nice: int | None = Field(0, ge=-20, le=19)
-    #: Run the step loop in a child process of the replica (:mod:`stages.engine.core_process`), so
+    #: Run the step loop in a child process of the replica (:mod:`stages.engine.driver.core_process`), so
     #: it never waits for the GIL the replica's event loop holds; false: on a thread of the replica.
     core_process: bool = True
-    #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.faults`). Off.
+    #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.driver.faults`). Off.
     fault_injection: bool = False
 
     def to_engine_config(self, model: str, resolve_device: bool = True) -> EngineConfig:
@@ -102,11 +102,11 @@ class EngineSettings(_Strict):
         :meth:`LLMEngine.from_config` to resolve where the model loads: an Engine replica whose
         step loop runs in a core process then never imports torch (seconds of start-up and
         ~300 MB it would not use)."""
-        from stages.engine.engine import EngineConfig
+        from stages.engine.core.engine import EngineConfig
 
         device = self.device
         if device == "auto" and resolve_device:
-            from stages.engine.engine import resolve_device as resolve
+            from stages.engine.core.engine import resolve_device as resolve
 
             device = resolve(device)
         fields = self.model_dump(exclude={"device", *_REPLICA_ONLY})
@@ -167,7 +167,7 @@ class TracingSettings(_Strict):
 
 
 class StructuredOutputSettings(_Strict):
-    """Grammar compilation in Preprocess (see :class:`stages.grammar.GrammarLimits`); past a limit
+    """Grammar compilation in Preprocess (see :class:`stages.preprocess.grammar.GrammarLimits`); past a limit
     the request is a 400."""
 
     max_spec_bytes: int = Field(64 * 1024, ge=1)

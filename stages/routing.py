@@ -32,7 +32,7 @@ from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from stages.protocol import AbortRequest, AdmissionBatch, ChannelAttach, EngineRequest
+from stages.transport.messages import AbortRequest, AdmissionBatch, ChannelAttach, EngineRequest
 
 #: Score of a replica whose waiting queue cannot take the request: it would answer 429.
 FULL = 1e9
@@ -125,7 +125,7 @@ class EngineRouter(RequestRouter):
         requests = _engine_requests(msg)
         if not requests:
             return [candidate_replicas]
-        # A batch (stages.admission) is placed as one request of its total size; its requests
+        # A batch (stages.transport.admission) is placed as one request of its total size; its requests
         # share the replicas to avoid (the batching groups by them), and the first one's prefix
         # picks the affinity.
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}

@@ -20,7 +20,7 @@ reads from a Hugging Face model directory and reproduces what the CPU stages use
 The method names and signatures are transformers' own (``encode``, ``decode``, ``__call__``,
 ``convert_ids_to_tokens``, ``apply_chat_template(..., tokenize=False)``, ``backend_tokenizer``),
 so code and tests written against a transformers tokenizer take either. transformers stays the
-reference: ``tests/test_tokenizer_parity.py`` checks ids, rendered prompts and decodes against it.
+reference: ``tests/unit/test_tokenizer.py`` checks ids, rendered prompts and decodes against it.
 Verified for the generic ``tokenizer_class`` values (``TokenizersBackend``, ``PreTrainedTokenizerFast``);
 a model-specific class whose ``__init__`` rebuilds the backend in Python (transformers 5 does that
 for e.g. ``LlamaTokenizer``, ``Qwen2Tokenizer``) is logged as unverified: run the parity test on
@@ -220,7 +220,7 @@ class Tokenizer:
         backend = RustTokenizer.from_file(str(tokenizer_file))
         if config.get("tokenizer_class") not in _GENERIC_CLASSES:
             logger.warning("tokenizer_class %s of %s is model-specific; the light tokenizer follows tokenizer.json, "
-                           "which transformers may not (check with tests/test_tokenizer_parity.py)",
+                           "which transformers may not (check with tests/unit/test_tokenizer.py)",
                            config.get("tokenizer_class"), path)
 
         named = {name: tok for name in SPECIAL_TOKEN_NAMES if (tok := _content(config.get(name))) is not None}
@@ -281,7 +281,7 @@ class Tokenizer:
     # -- vocabulary -----------------------------------------------------------------------------
     @property
     def backend_tokenizer(self) -> RustTokenizer:
-        """The raw ``tokenizers.Tokenizer`` (what :mod:`stages.detokenizer` streams with)."""
+        """The raw ``tokenizers.Tokenizer`` (what :mod:`stages.egress.detokenizer` streams with)."""
         return self._tokenizer
 
     def __len__(self) -> int:

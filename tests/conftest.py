@@ -47,7 +47,7 @@ REPLICAS_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-#: The fault tests' app (tests/test_faults.py): its replicas get killed, so it is nobody else's.
+#: The fault tests' app (tests/app/test_faults.py): its replicas get killed, so it is nobody else's.
 #: Small and quick to restart; the test-only step fault hook on; a small per-stream buffer so a
 #: slow reader is cut quickly; Serve checks the engine's health every second.
 FAULTS_ARGS: dict[str, Any] = {
@@ -76,7 +76,7 @@ GUARDED_KEYS: dict[str, str] = {name: f"sk-{name}-{secrets.token_urlsafe(18)}"
 #: enough to reach the 4 MiB message limit between deployments), and max_tokens at most 4 so
 #: fuzzing stays cheap. Quantised weights (the CPU default): nothing here compares greedy texts.
 #: One stream per request between the stages (``engine.stream_channel: false``): every other app
-#: shares channels (stages.channel), so the per-request streams stay covered by this app's tests.
+#: shares channels (stages.transport.channel), so the per-request streams stay covered by this app's tests.
 GUARDED_ARGS: dict[str, Any] = {
     "model": "embedded:smollm2-135m-instruct",
     "engine": {"max_num_seqs": 8, "max_waiting_requests": 64, "max_num_batched_tokens": 256,

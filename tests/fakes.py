@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from stages.engine.block_manager import BlockManager
-from stages.engine.engine import EngineConfig, LLMEngine
-from stages.engine.request import RequestStatus
-from stages.engine.scheduler import ScheduledRequest
-from stages.protocol import SamplingParams, TokenLogprob
+from stages.engine.core.block_manager import BlockManager
+from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.engine.core.request import RequestStatus
+from stages.engine.core.scheduler import ScheduledRequest
+from stages.transport.messages import SamplingParams, TokenLogprob
 
 VOCAB = 50
 #: The fake never generates ``EOS`` unless it is given ``gen_vocab=VOCAB``.

@@ -1,15 +1,15 @@
 """The Engine deployment: a thin Ray Serve adapter around :class:`AsyncEngine`.
 
 One replica per GPU (CPU fallback). The step loop runs on its own thread inside the replica, or
-(``engine.core_process``) alone in a child process of it (:mod:`stages.engine.core_process`);
-``submit`` admits a batch of requests in one call (:mod:`stages.admission`) and answers with each
+(``engine.core_process``) alone in a child process of it (:mod:`stages.engine.driver.core_process`);
+``submit`` admits a batch of requests in one call (:mod:`stages.transport.admission`) and answers with each
 one's acceptance, while their tokens go to the consumer's mailbox, which ``attach`` streams: one
-item per step for all of that Egress replica's requests (:mod:`stages.channel`). ``generate`` is
+item per step for all of that Egress replica's requests (:mod:`stages.transport.channel`). ``generate`` is
 the per-request path: it streams all choices of a request, coalesced, or (``request.channel``)
 only their acceptance. Cancelling the stream (the caller went
 away, or a stop string ended every choice) runs ``AsyncEngine.generate``'s ``finally``, which
 aborts the request by id so its blocks are free at the next step (and a stream whose reading Egress
-replica died is aborted by :class:`stages.liveness.ConsumerWatch`, since a killed caller cancels
+replica died is aborted by :class:`stages.transport.liveness.ConsumerWatch`, since a killed caller cancels
 nothing); ``abort`` ends chosen requests
 from outside the stream (cancel by id, a stop string in one of several choices), routed here by
 :class:`stages.routing.EngineRouter`. The engine emits its spans (queue wait, prefill, decode)
@@ -33,16 +33,16 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from stages.admission import AdmittedStreams
-from stages.channel import ChannelHub, merge_channel_items
+from stages.transport.admission import AdmittedStreams
+from stages.transport.channel import ChannelHub, merge_channel_items
 from stages.config import EngineSettings
-from stages.engine.async_engine import AsyncEngine
-from stages.engine.core_process import CoreProcess, CoreSpec
-from stages.engine.engine import LLMEngine
-from stages.engine.errors import EngineDeadError
-from stages.engine.faults import StepFaults
-from stages.liveness import ConsumerWatch, own_replica_id
-from stages.protocol import (
+from stages.engine.driver.async_engine import AsyncEngine
+from stages.engine.driver.core_process import CoreProcess, CoreSpec
+from stages.engine.core.engine import LLMEngine
+from stages.engine.core.errors import EngineDeadError
+from stages.engine.driver.faults import StepFaults
+from stages.transport.liveness import ConsumerWatch, own_replica_id
+from stages.transport.messages import (
     AbortRequest,
     Admission,
     AdmissionBatch,
@@ -67,7 +67,7 @@ class EngineDeployment:
 
     async def __init__(self, model: str, engine: dict[str, Any] | None = None,
                        tracing: dict[str, Any] | None = None, directory: Any = None) -> None:
-        from stages.engine.tracing import EngineTracer
+        from stages.engine.driver.tracing import EngineTracer
         from stages.telemetry import configure_logging, configure_tracing
 
         configure_logging()
@@ -93,9 +93,9 @@ class EngineDeployment:
             self.async_engine = AsyncEngine(engine_core, thread_nice=self.settings.step_thread_nice, **common)
             # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
             self.async_engine.start(asyncio.get_running_loop())
-        # Requests whose Egress replica died are aborted (no zombie decoding: stages.liveness).
+        # Requests whose Egress replica died are aborted (no zombie decoding: stages.transport.liveness).
         self.consumers = ConsumerWatch(self._consumer_gone)
-        #: Each Egress replica's mailbox: the tokens of its channel requests (stages.channel).
+        #: Each Egress replica's mailbox: the tokens of its channel requests (stages.transport.channel).
         self.channels = ChannelHub(self.replica, merge=merge_channel_items)
         #: The streams of batch-admitted requests (:meth:`submit`), by their first choice's id.
         self.admitted = AdmittedStreams()
@@ -128,7 +128,7 @@ class EngineDeployment:
             yield outs
 
     async def submit(self, batch: AdmissionBatch) -> list[Admission]:
-        """Batched admission (:mod:`stages.admission`): start every request of the batch; answer
+        """Batched admission (:mod:`stages.transport.admission`): start every request of the batch; answer
         with each one's acceptance item (or its refusal). Their tokens, and an error met after the
         acceptance, go to the consumer's channel; :meth:`abort` ends one, as does its consumer
         dying."""
@@ -247,7 +247,7 @@ class EngineDeployment:
             await asyncio.sleep(interval)
 
     async def inject_fault(self, kind: str = "step_exception", after_steps: int = 0) -> None:
-        """Tests only: make an upcoming engine step raise (:mod:`stages.engine.faults`). Refused
+        """Tests only: make an upcoming engine step raise (:mod:`stages.engine.driver.faults`). Refused
         unless ``engine.fault_injection`` (or ``LIFECYCLE_FAULT_INJECTION=1``) enabled it."""
         self.async_engine.arm_fault(kind, after_steps)
 

@@ -3,6 +3,6 @@ lifecycle and cancel by id (:mod:`.lifecycle`), SSE relay (:mod:`.sse`), whole-a
 metrics (:mod:`.views`), API keys (:mod:`.auth`), the OpenAPI document (:mod:`.openapi`), and the
 one mapping of errors to HTTP (:mod:`.errors`)."""
 
-from stages.ingress.app import Ingress
+from stages.ingress.deployment import Ingress
 
 __all__ = ["Ingress"]

@@ -30,7 +30,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from stages.config import HttpSettings, valid_api_key
 from stages.errors import AuthenticationError, QueueFullError
-from stages.ingress.errors import error_response
+from stages.ingress.http_errors import error_response
 
 #: Environment variable with extra keys, comma-separated.
 API_KEYS_ENV = "LIFECYCLE_API_KEYS"

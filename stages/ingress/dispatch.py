@@ -3,8 +3,8 @@
 Three ways, by configuration and request:
 - **batch-admitted** (a streamed request, ``engine.batch_admission`` with ``engine.stream_channel``):
   the job's start comes in the reply of a ``submit`` call shared with this loop turn's other jobs
-  (:mod:`stages.admission`), its frames through the Egress replica's channel
-  (:mod:`stages.channel_client`); giving up on it is an explicit cancel by id;
+  (:mod:`stages.transport.admission`), its frames through the Egress replica's channel
+  (:mod:`stages.transport.channel_client`); giving up on it is an explicit cancel by id;
 - **channel** (streamed, without batch admission): the job's own Egress stream carries its start
   and stays open as its control; the frames come through the channel;
 - **own stream** (a whole body, not streamed: one channel item must stay far below the message
@@ -22,11 +22,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from stages.admission import AdmissionQueue, fire_and_forget
-from stages.channel_client import ChannelClient, FrameStream
+from stages.transport.admission import AdmissionQueue, fire_and_forget
+from stages.transport.channel_client import ChannelClient, FrameStream
 from stages.errors import EngineUnavailableError
 from stages.ingress.sse import first_item
-from stages.protocol import AbortRequest, Admission, AdmissionBatch, ChannelAttach, GenerationJob, StreamStart
+from stages.transport.messages import AbortRequest, Admission, AdmissionBatch, ChannelAttach, GenerationJob, StreamStart
 
 
 def _admission_key(job: GenerationJob) -> str:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.protocol import AbortRequest, LiveEntry, StreamStart
+from stages.transport.messages import AbortRequest, LiveEntry, StreamStart
 
 logger = logging.getLogger("lifecycle.ingress")
 

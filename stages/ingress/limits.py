@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from stages.errors import InvalidRequestError
-from stages.openai_schema import ChatCompletionRequest, CompletionRequest
-from stages.protocol import EngineRequest
+from stages.api.requests import ChatCompletionRequest, CompletionRequest
+from stages.transport.messages import EngineRequest
 
 
 def check_max_tokens(req: ChatCompletionRequest | CompletionRequest, limit: int) -> None:

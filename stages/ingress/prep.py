@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stages.preprocess import ContextLimit, Preprocessor, annotate_prepared, needs_stage, preprocess_span
-from stages.protocol import EngineRequest, PreprocessRequest
+from stages.preprocess.preprocessor import ContextLimit, Preprocessor, annotate_prepared, needs_stage, preprocess_span
+from stages.transport.messages import EngineRequest, PreprocessRequest
 
 
 class Prep:

@@ -30,10 +30,10 @@ from starlette.types import Receive, Scope, Send
 
 from stages.errors import EngineUnavailableError, InternalServerError, RequestTimeoutError, SlowReaderError
 from stages.ingress.backpressure import StreamBuffer
-from stages.ingress.errors import to_serve_error
+from stages.ingress.http_errors import to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
-from stages.openai_format import SSE_HEADERS, SSE_KEEPALIVE, final_stream_chunk, sse_event, usage
-from stages.protocol import GenerationJob, StreamFrame, StreamStart, StreamSummary
+from stages.api.render import SSE_HEADERS, SSE_KEEPALIVE, final_stream_chunk, sse_event, usage
+from stages.transport.messages import GenerationJob, StreamFrame, StreamStart, StreamSummary
 
 logger = logging.getLogger("lifecycle.ingress")
 

@@ -1,6 +1,6 @@
 """``POST /tokenize`` and ``POST /detokenize``: Preprocess does the work; its reply can outgrow one
 inter-deployment message (a 1 MB prompt is ~1M token ids), so it arrives in parts
-(:mod:`stages.chunked`) and is rendered as JSON without holding the Ingress event loop."""
+(:mod:`stages.transport.chunking`) and is rendered as JSON without holding the Ingress event loop."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from stages.chunked import join_reply, render_json
-from stages.ingress.errors import error_response
-from stages.openai_format import server_timing_header
-from stages.openai_schema import DetokenizeRequest, TokenizeRequest, messages_to_dicts, parse_request
+from stages.transport.chunking import join_reply, render_json
+from stages.ingress.http_errors import error_response
+from stages.api.render import server_timing_header
+from stages.api.requests import DetokenizeRequest, TokenizeRequest, messages_to_dicts, parse_request
 
 
 class TokenRoutes:

@@ -1,0 +1,272 @@
+"""The app-wide directory: which Ingress replica owns each live request, and what every engine
+replica last reported.
+
+Why it exists: with N Ingress replicas, a ``POST /v1/requests/{id}/cancel`` can land on any of
+them, but only the replica holding the client's connection can end that stream properly; and
+``/health`` and ``/metrics`` must speak for every engine replica, while a Serve handle reaches
+only the one its router picks. Both need one place that knows the whole app.
+
+Design (built on Ray Serve itself: one small deployment, called through handles):
+- **Owners sync, batched.** Each Ingress replica sends the requests it started and finished since
+  its last call in one ``sync`` call; a single flusher per replica keeps the calls in order and
+  batches whatever accumulated while the previous call was in flight (cost: at most one call per
+  request start and one per finish, usually far fewer under load).
+- **Cancels travel on a long poll.** Each owner keeps one ``watch`` call open; a cancel for one of
+  its requests completes that call, and the owner ends the stream the normal way (an abort by id
+  routed to the engine replica that runs it). So the cancel reaches the owner within one RPC.
+- **Aborts for draining replicas.** An abort or cancel by id is routed to the replica it names
+  only while that replica is among the router's candidates; a replica being scaled down is not,
+  though it still runs its requests until they end. The replica that gets such an abort instead
+  forwards it here (``forward_abort``), and the named replica takes it within one report interval:
+  an engine in the reply to its ``report``, an Egress replica by ``take_aborts``. Forwarded ids for
+  a replica that never asks (it died, and its requests with it) expire after ``abort_ttl_s``.
+- **Self-healing.** An owner that has not watched for ``owner_ttl_s`` is dead; its entries go. A
+  directory that restarted (and lost its state) answers the next ``watch`` with ``resync``, and the
+  owner sends its whole list again. Engine reports older than ``report_ttl_s`` count as gone.
+
+:class:`LiveDirectory` is the pure bookkeeping (unit-tested without Ray); :class:`DirectoryDeployment`
+is the Serve wrapper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ray import serve
+
+from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, WatchReply
+
+#: An engine replica that missed this many of its reports in a row counts as gone ...
+MISSED_REPORTS = 8
+#: ... but never sooner than this many seconds (a busy 2-core machine delays reports).
+MIN_REPORT_TTL_S = 3.0
+#: Seconds a forwarded abort waits for its replica to take it (beyond any drain's graceful timeout).
+ABORT_TTL_S = 300.0
+#: Forwarded ids kept per replica at most (oldest dropped): a bound, not a limit ever expected to bind.
+MAX_FORWARDED_PER_REPLICA = 4096
+
+
+@dataclass
+class _Owner:
+    last_seen: float
+    mailbox: list[str] = field(default_factory=list)
+    wake: asyncio.Event | None = None
+
+
+class LiveDirectory:
+    """Live requests by id, response id and client label; owners' cancel mailboxes; engine reports."""
+
+    def __init__(self, owner_ttl_s: float = 60.0, report_ttl_s: float = 10.0, abort_ttl_s: float = ABORT_TTL_S) -> None:
+        self.owner_ttl_s = owner_ttl_s
+        self.report_ttl_s = report_ttl_s
+        self.abort_ttl_s = abort_ttl_s
+        #: replica → {request id: monotonic time forwarded}: aborts that missed their replica.
+        self._forwarded: dict[str, dict[str, float]] = {}
+        self.entries: dict[str, LiveEntry] = {}
+        self._by_response: dict[str, str] = {}
+        self._by_label: dict[str, set[str]] = defaultdict(set)
+        self._owners: dict[str, _Owner] = {}
+        #: replica → (report, monotonic time received)
+        self._reports: dict[str, tuple[EngineReport, float]] = {}
+        #: Ingress replica → its own metrics (Prometheus text)
+        self.ingress_metrics: dict[str, str] = {}
+
+    # -- owners --------------------------------------------------------------------------------------
+    def sync(self, owner: str, added: list[LiveEntry], removed: list[str], full: bool = False) -> None:
+        """Apply an owner's batch. ``full`` replaces everything it owned (after a resync)."""
+        self._touch(owner)
+        if full:
+            for rid in [rid for rid, e in self.entries.items() if e.owner == owner]:
+                self._remove(rid)
+        for entry in added:
+            self._add(entry)
+        for rid in removed:
+            self._remove(rid)
+
+    def knows(self, owner: str) -> bool:
+        return owner in self._owners
+
+    def take_cancels(self, owner: str) -> list[str]:
+        box = self._touch(owner)
+        ids, box.mailbox = box.mailbox, []
+        return ids
+
+    def _touch(self, owner: str) -> _Owner:
+        box = self._owners.get(owner)
+        if box is None:
+            box = self._owners[owner] = _Owner(time.monotonic())
+        box.last_seen = time.monotonic()
+        return box
+
+    def prune(self, now: float | None = None) -> list[str]:
+        """Forget owners that stopped watching (their replica died) and their entries."""
+        now = time.monotonic() if now is None else now
+        dead = [o for o, box in self._owners.items() if now - box.last_seen > self.owner_ttl_s]
+        for owner in dead:
+            del self._owners[owner]
+            self.ingress_metrics.pop(owner, None)
+            for rid in [rid for rid, e in self.entries.items() if e.owner == owner]:
+                self._remove(rid)
+        for replica in [r for r, (report, at) in self._reports.items() if now - at > self._report_ttl(report)]:
+            del self._reports[replica]
+        for replica, ids in list(self._forwarded.items()):
+            for rid in [rid for rid, at in ids.items() if now - at > self.abort_ttl_s]:
+                del ids[rid]
+            if not ids:
+                del self._forwarded[replica]
+        return dead
+
+    def _report_ttl(self, report: EngineReport) -> float:
+        """How long a report counts: a replica that missed ``MISSED_REPORTS`` of its own reports
+        is gone (killed, or its event loop is stuck), so ``/health`` says 503 within seconds."""
+        if report.report_interval_s <= 0:
+            return self.report_ttl_s
+        return min(self.report_ttl_s, max(MISSED_REPORTS * report.report_interval_s, MIN_REPORT_TTL_S))
+
+    def _add(self, entry: LiveEntry) -> None:
+        self.entries[entry.request_id] = entry
+        self._by_response[entry.response_id] = entry.request_id
+        if entry.client_request_id:
+            self._by_label[entry.client_request_id].add(entry.request_id)
+
+    def _remove(self, rid: str) -> None:
+        entry = self.entries.pop(rid, None)
+        if entry is None:
+            return
+        self._by_response.pop(entry.response_id, None)
+        if entry.client_request_id:
+            ids = self._by_label.get(entry.client_request_id)
+            if ids is not None:
+                ids.discard(rid)
+                if not ids:
+                    del self._by_label[entry.client_request_id]
+
+    # -- cancel --------------------------------------------------------------------------------------
+    def find(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
+        """Live requests named by ``key``: a response id or minted id names exactly one; a client
+        label names every live request carrying it. With API keys on, only the creating key's."""
+        rid = self._by_response.get(key) or (key if key in self.entries else None)
+        ids = [rid] if rid is not None else sorted(self._by_label.get(key, ()))
+        found = [self.entries[i] for i in ids]
+        return [e for e in found if e.api_key_id is None or e.api_key_id == api_key_id]
+
+    def cancel(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
+        """Post a cancel to the owner of every request ``key`` names; returns them."""
+        found = self.find(key, api_key_id)
+        for entry in found:
+            box = self._owners.get(entry.owner)
+            if box is not None:
+                box.mailbox.append(entry.request_id)
+                if box.wake is not None:
+                    box.wake.set()
+        return found
+
+    # -- aborts that missed their replica ---------------------------------------------------------
+    def forward_abort(self, request: AbortRequest) -> None:
+        """Keep ``request``'s ids for the replica it names, until that replica takes them."""
+        if not request.replica:
+            return
+        ids = self._forwarded.setdefault(request.replica, {})
+        now = time.monotonic()
+        for rid in request.request_ids:
+            ids[rid] = now
+        while len(ids) > MAX_FORWARDED_PER_REPLICA:
+            del ids[next(iter(ids))]
+
+    def take_aborts(self, replica: str) -> list[str]:
+        """The ids forwarded to ``replica`` since it last asked (each is handed out once)."""
+        return list(self._forwarded.pop(replica, {}))
+
+    def num_forwarded(self) -> int:
+        """Forwarded ids not yet taken (tests, leak checks)."""
+        return sum(len(ids) for ids in self._forwarded.values())
+
+    # -- engines -------------------------------------------------------------------------------------
+    def report(self, report: EngineReport) -> list[str]:
+        """Record an engine's report; the answer is the aborts forwarded to it."""
+        self._reports[report.replica] = (report, time.monotonic())
+        return self.take_aborts(report.replica)
+
+    def engine_reports(self) -> list[EngineReport]:
+        """The latest report of every engine replica still reporting."""
+        self.prune()
+        return [r for r, _ in self._reports.values()]
+
+
+@serve.deployment(name="Directory", num_replicas=1, max_ongoing_requests=4096,
+                  ray_actor_options={"num_cpus": 0.05}, graceful_shutdown_timeout_s=1)
+class DirectoryDeployment:
+    """One replica: the directory's state must be in one place. Restarts heal (see module doc)."""
+
+    def __init__(self, watch_timeout_s: float = 10.0, report_ttl_s: float = 5.0) -> None:
+        self.watch_timeout_s = watch_timeout_s
+        self.live = LiveDirectory(owner_ttl_s=max(6 * watch_timeout_s, 30.0), report_ttl_s=report_ttl_s)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def sync(self, owner: str, added: list[LiveEntry], removed: list[str], full: bool = False) -> None:
+        self.live.sync(owner, added, removed, full)
+
+    async def watch(self, owner: str) -> WatchReply:
+        """Long poll: returns as soon as a cancel for ``owner`` arrives, or after the timeout. An
+        owner this directory does not know (it restarted, or pruned the owner) must resync."""
+        if not self.live.knows(owner):
+            return WatchReply(resync=True)
+        box = self.live._touch(owner)
+        if not box.mailbox:
+            box.wake = asyncio.Event()
+            try:
+                await asyncio.wait_for(box.wake.wait(), self.watch_timeout_s)
+            except TimeoutError:
+                pass
+            finally:
+                box.wake = None
+        self.live.prune()
+        return WatchReply(cancel_ids=self.live.take_cancels(owner))
+
+    async def cancel(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
+        return self.live.cancel(key, api_key_id)
+
+    async def report(self, report: EngineReport) -> list[str]:
+        """An engine's report; returns the request ids other replicas forwarded to it to abort."""
+        return self.live.report(report)
+
+    async def forward_abort(self, request: AbortRequest) -> None:
+        """An abort or cancel by id that reached another replica than the one it names (that one
+        is draining): kept until the named replica takes it."""
+        self.live.forward_abort(request)
+
+    async def take_aborts(self, replica: str) -> list[str]:
+        """The ids forwarded to ``replica`` to abort (an Egress replica asks each interval)."""
+        self.live.prune()
+        return self.live.take_aborts(replica)
+
+    async def num_forwarded_aborts(self) -> int:
+        return self.live.num_forwarded()
+
+    async def report_ingress(self, owner: str, metrics_text: str) -> None:
+        self.live.ingress_metrics[owner] = metrics_text
+
+    async def metrics_snapshot(self) -> tuple[dict[str, str], list[EngineReport]]:
+        """Every Ingress replica's metrics text and every engine's latest report."""
+        return dict(self.live.ingress_metrics), self.live.engine_reports()
+
+    async def engines(self) -> list[EngineReport]:
+        return self.live.engine_reports()
+
+    async def num_live(self) -> int:
+        """Live requests known app-wide (tests and the soak check that nothing is left)."""
+        return len(self.live.entries)
+
+    async def live_entries(self) -> list[LiveEntry]:
+        """Every live request the directory knows (for operators and tests)."""
+        return list(self.live.entries.values())
+
+    async def max_model_len(self) -> int | None:
+        """The smallest context length of the engines reporting (what every stage must enforce)."""
+        lens = [r.max_model_len for r in self.live.engine_reports() if r.max_model_len]
+        return min(lens) if lens else None

@@ -1,0 +1,244 @@
+"""Egress stage: incremental detokenisation, stop strings, OpenAI chunks and SSE frames.
+
+Egress calls the engine (so a request's stream runs Engine → Egress → Ingress) and turns engine
+items into response text. One engine item carries every choice that produced tokens in the steps
+since the last one; each choice's part becomes one SSE event, so coalescing in the engine carries
+through to the client.
+
+What Ingress receives is typed (:mod:`stages.transport.messages`): a :class:`StreamStart` once the engine has
+accepted the request (with the engine replica that runs it, for cancel by id), one
+:class:`StreamFrame` per SSE event, and a :class:`StreamSummary` (holding the whole body when the
+client did not stream). Both hops use the shared channels of :mod:`stages.transport.channel` by default: the
+engine's tokens arrive in one item per step for all of this replica's requests, and the frames go
+to each Ingress replica in one item for all of its requests. Requests come and go in batches
+(:mod:`stages.transport.admission`, in :mod:`stages.egress.deployment`): Ingress's streamed jobs arrive in
+``submit`` calls, each job then runs as a task of its own (``cancel`` ends one by id), and the
+engine requests of one loop turn leave in one ``submit`` call to the engine, whose reply carries
+their acceptances.
+
+Abort paths that start here: a stop string found in one choice's text (the engine cannot see
+text) aborts that choice alone, by id, on the engine replica that runs it; the caller going away
+(cancellation arrives as ``CancelledError``, or as a ``cancel`` by id for a batch-admitted job)
+closes the engine stream, which aborts every choice.
+
+A full engine queue (429) is retried on another engine replica before the client sees it: the
+refusing replica goes into ``avoid_replicas`` and the router tries the others first.
+
+:class:`Egress` is plain asyncio (tested and benchmarked without Ray);
+:class:`stages.egress.deployment.EgressDeployment` is the Ray Serve wrapper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stages.egress.detokenizer import IncrementalDetokenizer
+from stages.engine.core.errors import EngineOverloadedError
+from stages.errors import EngineUnavailableError, unwrap_error
+from stages.api.render import LogprobFormatter, full_response, sse_event, stream_chunk, usage
+from stages.transport.messages import AbortRequest, EngineOutput, GenerationJob, StreamFrame, StreamStart, StreamSummary
+from stages.api.tool_calls import ToolCallStreamParser, parse_tool_calls
+
+
+class EngineStream:
+    """One open engine stream: its items, and how to close it early (which aborts in the engine)."""
+
+    def __init__(self, items: AsyncIterator[list[EngineOutput]], close: Callable[[], Awaitable[None]]) -> None:
+        self.items = items
+        self.close = close
+
+
+#: Opens the engine stream of one request.
+EngineOpen = Callable[[Any], EngineStream]
+#: Sends an :class:`AbortRequest` to the engine replica it names.
+EngineAbort = Callable[[AbortRequest], Awaitable[None]]
+
+
+@dataclass
+class _Choice:
+    index: int
+    engine_id: str
+    detok: IncrementalDetokenizer
+    text: list[str] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    num_tokens: int = 0
+    text_len: int = 0
+    finish_reason: str | None = None
+    stopped_by_string: bool = False
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    engine_timings: dict[str, float] = field(default_factory=dict)
+    first: bool = True
+    #: Streaming with tools: splits the text into content and ``<tool_call>`` blocks.
+    tool_parser: ToolCallStreamParser | None = None
+
+
+class Egress:
+    """Runs one generation job against the engine and renders OpenAI output."""
+
+    def __init__(self, tokenizer: Any, engine_open: EngineOpen, engine_abort: EngineAbort | None = None,
+                 max_engine_attempts: int = 4) -> None:
+        self.tokenizer = tokenizer
+        self.engine_open = engine_open
+        self.engine_abort = engine_abort
+        self.max_engine_attempts = max_engine_attempts
+        self.logprob_fmt = LogprobFormatter(tokenizer)
+
+    # -- per item -----------------------------------------------------------------------------------
+    def _new_choice(self, job: GenerationJob, index: int) -> _Choice:
+        req = job.engine_request
+        p = req.sampling_params
+        detok = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, skip_special_tokens=p.skip_special_tokens,
+                                       stop=p.stop, include_stop_str_in_output=p.include_stop_str_in_output)
+        choice = _Choice(index, req.choice_ids()[index], detok)
+        if job.tool_parsing is not None and job.stream:
+            choice.tool_parser = ToolCallStreamParser()
+        if job.echo and req.prompt_text:
+            choice.text.append(req.prompt_text)
+        return choice
+
+    def _consume(self, job: GenerationJob, c: _Choice, out: EngineOutput) -> dict[str, Any] | None:
+        """Fold one engine output into its choice; return the stream chunk to send, if any."""
+        c.num_tokens += len(out.new_token_ids)
+        if out.num_prompt_tokens:
+            c.num_prompt_tokens, c.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+        c.engine_timings.update(out.timings)
+        update = c.detok.add(out.new_token_ids)
+        text = update.text
+        finish = out.finish_reason
+        if update.stopped:
+            finish, c.stopped_by_string = "stop", True
+        if finish is not None and not update.stopped:
+            text += c.detok.finish()
+        c.finish_reason = finish
+        lp_body = None
+        if out.logprobs and job.engine_request.sampling_params.logprobs is not None:
+            if job.stream:
+                lp_body = (self.logprob_fmt.chat(out.logprobs) if job.kind == "chat"
+                           else self.logprob_fmt.completion(out.logprobs, c.text_len))
+            else:
+                c.logprobs.extend(out.logprobs)
+        c.text_len += len(text)
+        if not job.stream:
+            c.text.append(text)
+            return None
+        calls = None
+        if c.tool_parser is not None:
+            text, calls = c.tool_parser.feed(text)
+            if finish is not None:
+                text += c.tool_parser.finish()
+            if c.tool_parser.num_calls and not text.strip():
+                text = ""  # the newlines between and after calls are not content
+            if finish == "stop" and c.tool_parser.num_calls and job.tool_parsing in ("auto", "required"):
+                finish = c.finish_reason = "tool_calls"
+        if not text and finish is None and lp_body is None and not c.first and not calls:
+            return None
+        chunk = stream_chunk(job.kind, job.response_id, job.created, job.model_name, c.index, text,
+                             first=c.first, finish_reason=finish, logprobs=lp_body, tool_calls=calls)
+        c.first = False
+        return chunk
+
+    def _summary(self, choices: list[_Choice], busy: float) -> StreamSummary:
+        return StreamSummary(
+            prompt_tokens=choices[0].num_prompt_tokens,
+            completion_tokens=sum(c.num_tokens for c in choices),
+            cached_tokens=choices[0].num_cached_tokens,
+            finish_reasons=[c.finish_reason or "abort" for c in choices],
+            engine_timings=choices[0].engine_timings,
+            egress_busy=busy,
+            aborted_by_stop_string=any(c.stopped_by_string for c in choices),
+        )
+
+    def _body(self, job: GenerationJob, choices: list[_Choice], summary: StreamSummary) -> dict[str, Any]:
+        rendered = []
+        for c in choices:
+            lp = None
+            if job.engine_request.sampling_params.logprobs is not None:
+                prefix = len(c.text[0]) if job.echo and c.text else 0
+                lp = (self.logprob_fmt.chat(c.logprobs) if job.kind == "chat"
+                      else self.logprob_fmt.completion(c.logprobs, prefix))
+            text, finish, calls = "".join(c.text), c.finish_reason or "abort", None
+            if job.tool_parsing is not None:
+                content, calls = parse_tool_calls(text)
+                text = content  # None when the output was only calls, as OpenAI answers
+                if calls and finish == "stop" and job.tool_parsing in ("auto", "required"):
+                    finish = summary.finish_reasons[c.index] = "tool_calls"  # the log and metrics agree
+            rendered.append({"index": c.index, "text": text, "finish_reason": finish, "logprobs": lp,
+                             "tool_calls": calls})
+        return full_response(job.kind, job.response_id, job.created, job.model_name, rendered,
+                             usage(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens))
+
+    # -- the engine stream ---------------------------------------------------------------------------
+    async def _open_accepted(self, job: GenerationJob) -> tuple[EngineStream, EngineOutput]:
+        """Open the engine stream and wait for its acceptance item. A full queue is retried on
+        another replica; the 429 reaches the client only when every replica tried refused."""
+        request = job.engine_request
+        for attempt in range(self.max_engine_attempts):
+            stream = self.engine_open(request)
+            try:
+                first = await stream.items.__anext__()
+                return stream, first[0]
+            except BaseException as exc:
+                await stream.close()
+                refused = unwrap_error(exc)
+                if (not isinstance(refused, EngineOverloadedError) or not refused.replica
+                        or refused.replica in request.avoid_replicas or attempt + 1 == self.max_engine_attempts):
+                    raise
+                request = dataclasses.replace(request, avoid_replicas=[*request.avoid_replicas, refused.replica])
+        raise AssertionError("unreachable")
+
+    async def stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
+        """:class:`StreamStart` once the engine accepted, a :class:`StreamFrame` per SSE event
+        (streaming only), then the :class:`StreamSummary` (with the body when not streaming)."""
+        choices = [self._new_choice(job, i) for i in range(job.n)]
+        stream, accepted = await self._open_accepted(job)
+        replica = accepted.replica or ""
+        busy, event_id = 0.0, 0
+        open_choices = set(range(job.n))
+        try:
+            yield StreamStart(engine_replica=replica, engine_request_ids=[c.engine_id for c in choices],
+                              prompt_tokens=accepted.num_prompt_tokens)
+            pending = [[accepted]]
+            while open_choices:
+                outs = pending.pop() if pending else await stream.items.__anext__()
+                t0 = time.perf_counter()
+                frames: list[StreamFrame] = []
+                stopped: list[str] = []
+                for out in outs:
+                    c = choices[out.index]
+                    if c.index not in open_choices:
+                        continue  # e.g. the abort that follows a stop string Egress found
+                    chunk = self._consume(job, c, out)
+                    if c.finish_reason is not None:
+                        open_choices.discard(c.index)
+                        if c.stopped_by_string and out.finish_reason is None:
+                            stopped.append(c.engine_id)
+                    if chunk is not None:
+                        frames.append(StreamFrame(sse_event(chunk, event_id), c.index, len(out.new_token_ids),
+                                                  c.finish_reason))
+                        event_id += 1
+                busy += time.perf_counter() - t0
+                if stopped and open_choices and self.engine_abort is not None:
+                    # Other choices go on: abort just these, on the replica that runs them.
+                    await self.engine_abort(AbortRequest(replica, stopped))
+                for frame in frames:
+                    yield frame
+        except StopAsyncIteration:
+            # The engine ends a stream only once every choice has finished, so an early end means
+            # the call was lost with its replica (a killed replica's stream can end cleanly).
+            if open_choices:
+                raise EngineUnavailableError(
+                    "The engine stream ended before the request finished: the engine replica was lost. "
+                    "Retry.") from None
+        finally:
+            await stream.close()  # aborts in the engine whatever is still running there
+        summary = self._summary(choices, busy)
+        if not job.stream:
+            t0 = time.perf_counter()
+            summary.body = self._body(job, choices, summary)
+            summary.egress_busy += time.perf_counter() - t0
+        yield summary

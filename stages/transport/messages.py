@@ -1,0 +1,414 @@
+"""Plain, picklable messages that cross deployment boundaries.
+
+Nothing here holds a live object (no Starlette request, no tensor, no lock): every message is a
+dataclass of ints, floats, strings, lists and dicts so Ray can pickle it cheaply. Timing fields are
+durations measured inside one process, never raw clocks from another process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Maximum ``top_logprobs`` the sampler returns (the OpenAI API allows 20).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one sequence, and when to stop.
+
+    ``top_k <= 0`` disables top-k; ``top_p == 1`` and ``min_p == 0`` disable nucleus and min-p
+    filtering; ``temperature == 0`` means greedy. ``logprobs`` is ``None`` when no log-probabilities
+    are wanted, else the number of alternatives (0..20) returned beside the sampled token's own.
+    ``stop`` strings are handled by Egress (they need text); the engine handles ``stop_token_ids``.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    #: OpenAI ``logit_bias``: token id -> value added to its logit (-100..100) before sampling.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    #: vLLM ``allowed_token_ids``: when set, every other token is masked out.
+    allowed_token_ids: list[int] | None = None
+    #: vLLM ``bad_words`` as token sequences (Preprocess tokenises them): the last token of a
+    #: sequence is banned whenever the output ends with the tokens before it.
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any of the presence, frequency or repetition penalties is active."""
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def has_token_restrictions(self) -> bool:
+        """True when ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
+
+#: Structured-output kinds a client can ask for (``response_format``, ``structured_outputs``,
+#: the legacy ``guided_*`` fields, and tool calls forced by ``tool_choice``).
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
+
+
+@dataclass
+class StructuredOutputSpec:
+    """What the client asked the output to match, before compilation (Ingress → Preprocess).
+
+    ``spec`` is text: a JSON schema (``json_schema``, ``tool_call``), a JSON list of strings
+    (``choice``), a regular expression (``regex``), a Lark or GBNF grammar (``grammar``), or empty
+    (``json_object``). ``param`` is the request field it came from, named in a 400 when it does
+    not compile.
+    """
+
+    kind: str
+    spec: str
+    param: str = "response_format"
+
+
+@dataclass
+class GrammarSpec:
+    """A compiled, validated grammar on its way to the engine (Preprocess → Egress → Engine).
+
+    ``grammar`` is llguidance's serialised grammar, already checked against the tokenizer whose
+    digest is ``tokenizer_hash``; the engine builds its matcher from it off the step loop and keeps
+    it by ``key`` (a digest of the client's spec and the tokenizer), so a repeated schema costs
+    nothing there either.
+    """
+
+    kind: str
+    grammar: str
+    key: str
+    tokenizer_hash: str
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate bytes held by this entry (what the Preprocess cache counts)."""
+        return len(self.grammar) + len(self.key) + len(self.tokenizer_hash) + 64
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one sampled token and, if asked, its top alternatives."""
+
+    token_id: int
+    logprob: float
+    #: (token_id, logprob) pairs, most likely first; empty when not asked.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class EngineRequest:
+    """A tokenised API request handed from Preprocess (through Egress) to one Engine replica.
+
+    ``request_id`` is minted by the server, unique across the cluster and never reused; the
+    client's ``X-Request-Id`` never reaches the engine. All ``n`` choices run on the same engine
+    replica, as engine requests named by :func:`choice_request_id`, so they share the prompt's KV
+    blocks and a 429 moves them together.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    #: W3C trace context carrier (``traceparent`` / ``tracestate``), empty when tracing is off.
+    trace_context: dict[str, str] = field(default_factory=dict)
+    #: Rendered prompt text; kept only so Egress can echo it (``echo``) and for opt-in logging.
+    prompt_text: str | None = None
+    #: Number of choices (``n``).
+    n: int = 1
+    #: Durations measured upstream (seconds), e.g. ``{"template": .., "tokenize": ..}``.
+    upstream_timings: dict[str, float] = field(default_factory=dict)
+    #: Engine replicas that already refused this request with a full queue: the router skips them.
+    avoid_replicas: list[str] = field(default_factory=list)
+    #: Ray actor name of the replica reading the engine stream (Egress): the engine aborts the
+    #: request if that replica dies (:mod:`stages.transport.liveness`).
+    consumer: str = ""
+    #: Structured output: every choice's tokens must match this grammar (``None``: unconstrained).
+    grammar: GrammarSpec | None = None
+    #: After the acceptance item, send the tokens through the consumer's shared channel
+    #: (:mod:`stages.transport.channel`) instead of this request's own stream. Needs ``consumer``.
+    channel: bool = False
+
+    def choice_ids(self) -> list[str]:
+        """The engine request id of every choice, in choice order."""
+        return [choice_request_id(self.request_id, i, self.n) for i in range(self.n)]
+
+
+def choice_request_id(request_id: str, index: int, n: int) -> str:
+    """Engine id of choice ``index``: the request id itself when ``n == 1``, else ``<id>-<index>``
+    (unambiguous because minted ids never contain ``-``)."""
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
+@dataclass
+class AbortRequest:
+    """Abort these requests on the replica ``replica`` (the router sends it there): engine request
+    ids on an engine replica, API request ids on an Egress replica (an Ingress cancelling the
+    batch-admitted requests it gave up on, :mod:`stages.transport.admission`).
+
+    Unknown or finished ids are ignored. Each aborted request ends its stream normally with
+    ``finish_reason="abort"``, so the client still gets what was generated so far.
+    """
+
+    replica: str
+    request_ids: list[str]
+
+
+@dataclass
+class AdmissionBatch:
+    """Several requests for one replica in one call (:mod:`stages.transport.admission`): engine requests
+    (Egress → engine) or generation jobs (Ingress → Egress). Each runs as if it had its own
+    stream; what would have been that stream's first item comes back in the reply, and the rest
+    through the caller's channel (:mod:`stages.transport.channel`)."""
+
+    items: list[Any]
+
+
+@dataclass
+class Admission:
+    """One request's answer in an :class:`AdmissionBatch` reply, in the batch's order: the first
+    item of its stream (accepted), or the error its stream would have raised (refused)."""
+
+    item: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class RoutedError:
+    """A channel item ending one request with an error, after the items before it (the request
+    failed in the producer after it was accepted: the engine died, a step failed for it)."""
+
+    request_id: str
+    error: BaseException
+
+
+@dataclass
+class ChannelAttach:
+    """Open the channel of ``consumer`` on the replica ``replica`` (an engine or Egress replica;
+    the router sends it there): one stream carrying the items of all that consumer's requests."""
+
+    replica: str
+    consumer: str
+
+
+@dataclass
+class EngineOutput:
+    """What the engine produced for one request since the last item it streamed.
+
+    The engine coalesces: one ``EngineOutput`` may carry the tokens of several steps when the
+    consumer was slower than the engine. ``finish_reason`` is set on the last item only.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    #: One entry per new token when logprobs were asked, else ``None``.
+    logprobs: list[TokenLogprob] | None = None
+    #: ``"stop"``, ``"length"`` or ``"abort"`` on the final item; ``None`` before.
+    finish_reason: str | None = None
+    #: The token id that ended the request (EOS or a stop token), when there is one.
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    #: Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0
+    #: Engine-side durations in seconds, on the first and final items: ``queue``, ``prefill``,
+    #: ``decode``, ``engine_total``, plus counters such as ``num_preemptions`` and ``decode_steps``.
+    timings: dict[str, float] = field(default_factory=dict)
+    #: Choice index within the API request.
+    index: int = 0
+    #: On the acceptance item only (the first, empty one): the engine replica running the request,
+    #: which an :class:`AbortRequest` must target.
+    replica: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True on the request's final item."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class ChannelBatch:
+    """One item of a consumer's channel (:mod:`stages.transport.channel`): what its requests on ``replica``
+    produced since the last item. From an engine, one merged :class:`EngineOutput` per engine
+    request; from Egress, :class:`RoutedFrame` items in order. The first item of an attach is
+    empty: a hello that names the replica, so a channel routed to the wrong replica is noticed."""
+
+    replica: str
+    items: list[Any]
+
+
+@dataclass
+class PreprocessRequest:
+    """A validated API request on its way from Ingress to Preprocess.
+
+    Exactly one of ``messages`` (chat) or ``prompt`` (text or token ids) is set.
+    ``requested_max_tokens`` is ``None`` when the client left it open: Preprocess fills in the room
+    left in the context window.
+    """
+
+    request_id: str
+    sampling_params: SamplingParams
+    requested_max_tokens: int | None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    add_generation_prompt: bool = True
+    trace_context: dict[str, str] = field(default_factory=dict)
+    n: int = 1
+    #: Structured output to compile (``None``: unconstrained).
+    structured: StructuredOutputSpec | None = None
+    #: OpenAI ``tools`` (function definitions) rendered into the prompt by the chat template.
+    tools: list[dict[str, Any]] | None = None
+    #: ``"auto"``, ``"required"`` or ``{"type": "function", "function": {"name": ...}}``.
+    tool_choice: Any = None
+    parallel_tool_calls: bool = True
+    #: vLLM ``bad_words``: Preprocess tokenises them into ``SamplingParams.bad_words_token_ids``.
+    bad_words: list[str] = field(default_factory=list)
+
+
+@dataclass
+class GenerationJob:
+    """What Egress needs to run one API request: the engine request and the response shape."""
+
+    engine_request: EngineRequest
+    kind: str  # "chat" or "completion"
+    model_name: str
+    response_id: str
+    created: int
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    #: Ray actor name of the Ingress replica reading the Egress stream (:mod:`stages.transport.liveness`).
+    consumer: str = ""
+    #: Parse Hermes-style ``<tool_call>`` blocks out of the output into ``tool_calls``:
+    #: ``"auto"``/``"required"`` (finish reason ``tool_calls`` when there are any), ``"named"``
+    #: (finish reason ``stop``, as OpenAI does for a forced function), ``None`` (no tools).
+    tool_parsing: str | None = None
+    #: After the :class:`StreamStart`, send the frames and the summary through the consumer's
+    #: shared channel (:mod:`stages.transport.channel`) instead of this request's own stream. Needs ``consumer``.
+    channel: bool = False
+
+
+# -- Egress → Ingress -------------------------------------------------------------------------------
+@dataclass
+class StreamStart:
+    """First item of every Egress stream: the engine accepted the request (so Ingress can commit to
+    a 200), and where it runs (so a cancel by id can reach it)."""
+
+    engine_replica: str
+    engine_request_ids: list[str]
+    prompt_tokens: int
+    #: The Egress replica running the request (its frames come through that replica's channel).
+    egress_replica: str = ""
+
+
+@dataclass
+class StreamFrame:
+    """One SSE event of a streamed response: its text and what it carries."""
+
+    data: str
+    #: Choice the event belongs to.
+    index: int
+    #: Tokens generated for that choice since the previous frame.
+    num_tokens: int
+    #: Set when this event ends the choice.
+    finish_reason: str | None = None
+
+
+@dataclass
+class StreamSummary:
+    """Last item of a stream: usage, finish reasons and timings (plus the whole body when the
+    client did not ask to stream)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    finish_reasons: list[str]
+    #: Engine-measured durations (seconds) of the first choice: queue, prefill, decode, ...
+    engine_timings: dict[str, float]
+    #: Seconds Egress spent detokenising and framing.
+    egress_busy: float
+    aborted_by_stop_string: bool = False
+    #: The non-streamed response body; ``None`` when streaming.
+    body: dict[str, Any] | None = None
+
+
+EgressItem = StreamStart | StreamFrame | StreamSummary
+
+
+@dataclass
+class RoutedFrame:
+    """An Egress item in a channel batch, named by its request; ``error`` instead of ``item`` when
+    the request failed in Egress after its start (it reaches Ingress in order, after the frames)."""
+
+    request_id: str
+    item: StreamFrame | StreamSummary | None = None
+    error: BaseException | None = None
+
+
+# -- the live-request directory ---------------------------------------------------------------------
+@dataclass
+class LiveEntry:
+    """One live API request as the directory knows it: who owns its stream and how to name it."""
+
+    #: Server-minted id (the response ``id`` is ``<prefix>-<request_id>``).
+    request_id: str
+    response_id: str
+    #: Ingress replica that holds the client's connection.
+    owner: str
+    #: The client's ``X-Request-Id`` label, if it sent one.
+    client_request_id: str | None = None
+    #: Digest of the API key that created the request (``None`` when keys are off).
+    api_key_id: str | None = None
+
+
+@dataclass
+class WatchReply:
+    """Answer to an owner's long poll: requests to cancel, or "send me your whole list again"."""
+
+    cancel_ids: list[str] = field(default_factory=list)
+    resync: bool = False
+
+
+@dataclass
+class EngineReport:
+    """What each engine replica publishes every few seconds for app-wide health and metrics."""
+
+    replica: str
+    node_id: str
+    max_model_len: int
+    #: The step loop is alive and has finished a step recently whenever it had work.
+    healthy: bool
+    #: :meth:`stages.engine.driver.async_engine.AsyncEngine.snapshot`: gauges and monotonic counters.
+    stats: dict[str, Any] = field(default_factory=dict)
+    #: Seconds between this replica's reports: the directory counts one that missed a few as gone
+    #: (0: the directory's own ``report_ttl_s`` applies).
+    report_interval_s: float = 0.0
+
+
+@dataclass
+class ReplyPart:
+    """One piece of a reply streamed in parts because it may outgrow one inter-deployment message
+    (see :mod:`stages.transport.chunking`): each value is a whole scalar, or a slice of a string or list."""
+
+    fields: dict[str, Any]

@@ -1,0 +1,52 @@
+"""Greedy decoding's argmax kernel (``kernels/argmax.cpp``): the same indices as torch's argmax,
+ties and NaNs included, in the native build and the AVX2 (scalar) one; the sampler uses it."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from stages.engine.runner import kernels
+from stages.engine.core.sampler import Sampler, SamplingContext
+from stages.transport.messages import SamplingParams
+
+native = kernels.row_argmax()
+pytestmark = pytest.mark.skipif(native is None, reason="no AVX-512 build here: the engine keeps torch's argmax")
+
+
+def _logits(n: int) -> torch.Tensor:
+    x = torch.randn(9, n)
+    x[0] = 1.0  # all tied: the first index
+    if n > 3:
+        x[1, 2] = float("nan")  # a NaN counts as the maximum
+        x[2, n - 1] = float("inf")
+        x[3, 1], x[3, n - 1] = float("nan"), float("nan")  # the first NaN
+        x[4] = float("-inf")
+        x[5, 1] = x[5, n - 2] = 1e9  # a tie at the maximum, far apart
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 5, 15, 16, 17, 33, 49152, 49153])
+def test_the_kernel_picks_what_torch_picks(n: int) -> None:
+    x = _logits(n)
+    assert torch.equal(native(x), x.argmax(dim=-1))
+    assert torch.equal(native(x[:, : n - 1] if n > 1 else x), (x[:, : n - 1] if n > 1 else x).argmax(dim=-1)), \
+        "rows further apart than they are long (a strided view)"
+
+
+def test_the_scalar_build_picks_what_torch_picks_and_says_it_is_not_vectorised() -> None:
+    lib = ctypes.CDLL(str(kernels.build(kernels._ARGMAX_SRC, march="haswell")))
+    scalar = kernels.RowArgmax(lib)
+    assert not scalar.vectorized, "an AVX2 build scans scalar: the engine would not use it"
+    for n in (1, 17, 49152):
+        x = _logits(n)
+        assert torch.equal(scalar(x), x.argmax(dim=-1))
+
+
+def test_greedy_sampling_through_the_kernel_gives_torchs_tokens() -> None:
+    logits = torch.randn(32, 49152)
+    rows = [SamplingContext(SamplingParams(temperature=0.0), [1, 2], []) for _ in range(32)]
+    assert Sampler(argmax=native).sample(logits, rows) == Sampler().sample(logits, rows)
+    assert torch.equal(native(logits.double()), logits.double().argmax(dim=-1)), "another dtype: torch's"
