@@ -11,7 +11,7 @@ from typing import Any
 from ray.serve import Application
 
 from stages.config import AppConfig
-from stages.directory.directory import DirectoryDeployment
+from stages.directory.deployment import DirectoryDeployment
 from stages.egress.deployment import EgressDeployment
 from stages.engine.deployment import EngineDeployment
 from stages.ingress import Ingress
@@ -40,6 +40,5 @@ def build_app_with_options(args: dict[str, Any] | None = None,
     engine = deployment(EngineDeployment).bind(cfg.model, cfg.engine.model_dump(), tracing, directory)
     preprocess = deployment(PreprocessDeployment).bind(cfg.model, cfg.engine.max_model_len, tracing, directory,
                                                        cfg.structured_outputs.model_dump())
-    egress = deployment(EgressDeployment).bind(engine, cfg.model, tracing, cfg.engine.stream_channel,
-                                              cfg.engine.batch_admission, directory)
+    egress = deployment(EgressDeployment).bind(engine, cfg.model, tracing, directory)
     return deployment(Ingress).bind(preprocess, egress, engine, cfg.model_dump(), directory)

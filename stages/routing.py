@@ -180,9 +180,7 @@ class SentSinceReport:
 
 
 def _engine_requests(msg: Any) -> list[EngineRequest]:
-    """The engine requests a call carries: one, a batch's, or none (every other message)."""
-    if isinstance(msg, EngineRequest):
-        return [msg]
+    """The engine requests a call carries: a batch's, or none (every other message)."""
     if isinstance(msg, AdmissionBatch):
         return [r for r in msg.items if isinstance(r, EngineRequest)]
     return []
@@ -190,7 +188,7 @@ def _engine_requests(msg: Any) -> list[EngineRequest]:
 
 class EgressRouter(RequestRouter):
     """Serve ``RequestRouter`` for Egress: an Ingress replica's :class:`ChannelAttach` and its
-    :class:`AbortRequest` (cancelling batch-admitted jobs) go to the Egress replica they name.
+    :class:`AbortRequest` (ending jobs it gave up on) go to the Egress replica they name.
 
     An :class:`AdmissionBatch` of jobs goes to the replica running the fewest: once their
     ``submit`` call has returned, jobs are no longer Serve requests, so Serve's queue lengths (what

@@ -1,19 +1,15 @@
 """The Engine deployment: a thin Ray Serve adapter around :class:`AsyncEngine`.
 
-One replica per GPU (CPU fallback). The step loop runs on its own thread inside the replica, or
-(``engine.core_process``) alone in a child process of it (:mod:`stages.engine.driver.core_process`);
-``submit`` admits a batch of requests in one call (:mod:`stages.transport.admission`) and answers with each
-one's acceptance, while their tokens go to the consumer's mailbox, which ``attach`` streams: one
-item per step for all of that Egress replica's requests (:mod:`stages.transport.channel`). ``generate`` is
-the per-request path: it streams all choices of a request, coalesced, or (``request.channel``)
-only their acceptance. Cancelling the stream (the caller went
-away, or a stop string ended every choice) runs ``AsyncEngine.generate``'s ``finally``, which
-aborts the request by id so its blocks are free at the next step (and a stream whose reading Egress
-replica died is aborted by :class:`stages.transport.liveness.ConsumerWatch`, since a killed caller cancels
-nothing); ``abort`` ends chosen requests
-from outside the stream (cancel by id, a stop string in one of several choices), routed here by
-:class:`stages.routing.EngineRouter`. The engine emits its spans (queue wait, prefill, decode)
-after the fact from the request's own timestamps, so tracing adds no work to a step.
+One replica per GPU (CPU fallback). The step loop runs in a child process of the replica
+(``engine.core_process``) or on a thread of it. Requests arrive and leave through the transport's
+producer side (:mod:`stages.transport.producer`): ``submit`` admits a batch of requests in one call
+and answers with each one's acceptance; each step's outputs go straight from the step delivery to
+the consumer's mailbox, which ``attach`` streams (one item per step for all of an Egress replica's
+requests here). ``abort`` ends requests by id (cancel by id, a stop string in one of several
+choices, a caller that gave up): they finish at the next step with ``finish_reason="abort"`` and
+their blocks are free. A request whose Egress replica died is aborted by the producer's consumer
+watch, since a killed caller cancels nothing. The engine emits its spans (queue wait, prefill,
+decode) after the fact from the request's own timestamps, so tracing adds no work to a step.
 
 The replica publishes its state twice: to the router through ``record_routing_stats`` (where to
 send the next request), and to the app's Directory every ``report_interval_s`` (``/health`` and
@@ -26,22 +22,21 @@ import asyncio
 import functools
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from stages.transport.admission import AdmittedStreams
-from stages.transport.channel import ChannelHub, merge_channel_items
+from stages.transport.channel import merge_channel_items
 from stages.config import EngineSettings
 from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.driver.core_process import CoreProcess, CoreSpec
 from stages.engine.core.engine import LLMEngine
 from stages.engine.core.errors import EngineDeadError
 from stages.engine.driver.faults import StepFaults
-from stages.transport.liveness import ConsumerWatch, own_replica_id
+from stages.transport.liveness import own_replica_id
 from stages.transport.messages import (
     AbortRequest,
     Admission,
@@ -51,8 +46,8 @@ from stages.transport.messages import (
     EngineOutput,
     EngineReport,
     EngineRequest,
-    RoutedError,
 )
+from stages.transport.producer import Job, Producer
 
 logger = logging.getLogger("lifecycle.engine")
 
@@ -93,15 +88,10 @@ class EngineDeployment:
             self.async_engine = AsyncEngine(engine_core, thread_nice=self.settings.step_thread_nice, **common)
             # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
             self.async_engine.start(asyncio.get_running_loop())
-        # Requests whose Egress replica died are aborted (no zombie decoding: stages.transport.liveness).
-        self.consumers = ConsumerWatch(self._consumer_gone)
-        #: Each Egress replica's mailbox: the tokens of its channel requests (stages.transport.channel).
-        self.channels = ChannelHub(self.replica, merge=merge_channel_items)
-        #: The streams of batch-admitted requests (:meth:`submit`), by their first choice's id.
-        self.admitted = AdmittedStreams()
-        #: Admission calls received and the requests they carried (their ratio is the batching).
-        self.admission_calls = 0
-        self.admission_requests = 0
+        #: Requests in and outputs out (stages.transport.producer); aborts by id go to the engine, so
+        #: an aborted request still ends its stream with ``finish_reason="abort"``.
+        self.transport = Producer(self.replica, merge=merge_channel_items, directory=directory)
+        self.transport.set_end(self._abort_ids)
         self._seq = itertools.count()
         self._last_ttft = 0.0
         self.directory = directory
@@ -115,83 +105,41 @@ class EngineDeployment:
         if problem is not None:
             raise EngineDeadError(problem + "; the replica will be replaced")
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[list[EngineOutput]]:
-        """Stream the outputs of every choice of one request (first token at once, then coalesced).
-
-        With ``request.channel`` this stream carries the acceptance item only and then stays open
-        until the request ends (its cancellation still aborts it); the tokens go to the consumer's
-        channel, which :meth:`attach` streams."""
-        channel = request.consumer if request.channel and request.consumer else None
-        # With a channel, the first item (the acceptance) comes back here and the rest go to the
-        # channel straight from each step's delivery (``AsyncEngine.generate``'s ``sink``).
-        async for outs in self._run(request, channel):
-            yield outs
-
     async def submit(self, batch: AdmissionBatch) -> list[Admission]:
-        """Batched admission (:mod:`stages.transport.admission`): start every request of the batch; answer
-        with each one's acceptance item (or its refusal). Their tokens, and an error met after the
-        acceptance, go to the consumer's channel; :meth:`abort` ends one, as does its consumer
-        dying."""
-        self.admission_calls += 1
-        self.admission_requests += len(batch.items)
-        return list(await asyncio.gather(*(self._admit(request) for request in batch.items)))
+        """Admit every request of ``batch``; answer with each one's acceptance item (its first,
+        empty outputs naming this replica) or its refusal (a full queue: 429, retried elsewhere)."""
+        return await self.transport.submit(batch, self._job)
 
-    def _admit(self, request: EngineRequest) -> Awaitable[Admission]:
+    def _job(self, request: EngineRequest) -> Job:
         consumer = request.consumer
-        first_id = request.choice_ids()[0]
+        return Job(request.choice_ids()[0], consumer, self._run(request, consumer), wrap=list)
 
-        def rest(outs: list[EngineOutput]) -> None:  # not reached: ``_run`` yields the first item only
-            self.channels.push(consumer, outs)
-
-        def failed(exc: BaseException) -> None:
-            self.channels.push(consumer, [RoutedError(first_id, exc)])
-
-        return self.admitted.admit(first_id, self._run(request, consumer), rest, failed)
-
-    async def _run(self, request: EngineRequest, channel: str | None) -> AsyncIterator[list[EngineOutput]]:
-        """One request's outputs, with its consumer watched and its channel mailbox open. With a
-        channel, only the first item is yielded and the rest go to the channel's mailbox."""
+    async def _run(self, request: EngineRequest, consumer: str) -> AsyncIterator[list[EngineOutput]]:
+        """The request's acceptance; every later output goes from the step delivery to the
+        consumer's mailbox. Closing it early aborts every unfinished choice."""
         self._check_alive()
-        choices = tuple(request.choice_ids())
-        key = (request.consumer, choices)
-        self.consumers.add(request.consumer, key)
-        sink = None
-        if channel is not None:
-            self.channels.open(channel)
-            sink = functools.partial(self.channels.push, channel)
-        try:
-            async for outs in self.async_engine.generate(request, sink=sink):
-                yield outs
-        finally:
-            if channel is not None:
-                self.channels.close(channel)
-            self.consumers.discard(request.consumer, key)
+        sink = functools.partial(self.transport.push, consumer)
+        async for outs in self.async_engine.generate(request, sink=sink):
+            yield outs
 
     async def attach(self, request: ChannelAttach) -> AsyncIterator[ChannelBatch]:
         """The channel of ``request.consumer`` on this replica (routed here by name): one item per
-        engine step for all its channel requests; ends a moment after the last of them ends."""
-        async for batch in self.channels.attach(request.consumer):
+        engine step for all its requests; ends a moment after the last of them ends."""
+        async for batch in self.transport.attach(request.consumer):
             yield batch
 
-    def _consumer_gone(self, key: tuple[str, tuple[str, ...]]) -> None:
-        consumer, choice_ids = key
-        for rid in choice_ids:
-            self.async_engine.abort(rid)
-        self.channels.drop(consumer)
-
     async def abort(self, request: AbortRequest) -> None:
-        """Abort by id (no-op if unknown or finished); blocks are free at the next step. An abort
-        naming another replica reached this one because that one is draining (no longer a routing
-        candidate): it goes to the directory, where that replica takes it with its next report."""
-        if request.replica and request.replica != self.replica and self.directory is not None:
-            await self.directory.forward_abort.remote(request)
-            return
-        for rid in request.request_ids:
+        """Abort by engine request id (no-op if unknown or finished); blocks are free at the next
+        step. An abort naming another replica (draining) is forwarded to the directory, where that
+        replica takes it with its next report."""
+        await self.transport.abort(request)
+
+    def _abort_ids(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
             self.async_engine.abort(rid)
 
     def _abort_forwarded(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self.async_engine.abort(rid)
+        self._abort_ids(request_ids)
         if request_ids:
             logger.info("aborted %d request(s) forwarded by the directory", len(request_ids))
 
@@ -201,14 +149,7 @@ class EngineDeployment:
                             healthy=self.async_engine.health_problem() is None,
                             stats={**self.async_engine.snapshot(), **self.tracer.counters(),
                                    **self.async_engine.loop_counters(),
-                                   "consumer_gone_aborts": self.consumers.ended,
-                                   "channel_mailboxes": len(self.channels),
-                                   "admitted_streams": len(self.admitted),
-                                   "admission_calls": self.admission_calls,
-                                   "admission_requests": self.admission_requests,
-                                   "channel_pending": self.channels.num_pending(),
-                                   "channel_batches": self.channels.batches_sent,
-                                   "channel_items": self.channels.items_sent},
+                                   **self.transport.stats()},
                             report_interval_s=self.settings.report_interval_s)
 
     async def stats(self) -> dict[str, Any]:

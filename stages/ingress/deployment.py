@@ -2,15 +2,15 @@
 
 Routes are thin: parse and validate, open the request's life (:mod:`.lifecycle`: minted id, trace,
 registry), prepare the request (here when short and plain, else through Preprocess: :mod:`.prep`),
-hand the job to Egress (:mod:`.dispatch`: batched admission, frames on a shared channel), answer
-with JSON or relay SSE (:mod:`.sse`). Every exception becomes HTTP in :mod:`.errors`, and every request, whatever its
-outcome, ends in :meth:`Lifecycle.close`, which writes its one log line.
+hand the job to Egress (:mod:`stages.transport.consumer`), answer with JSON or relay SSE
+(:mod:`.sse`). Every exception becomes HTTP in :mod:`.http_errors`, and every request, whatever
+its outcome, ends in :meth:`Lifecycle.close`, which writes its one log line.
 
 Cancellation: when the client disconnects, Starlette cancels the response, and the job ends in
-Egress (a cancel by id to the Egress replica running it, or its cancelled Egress call), whose
-``finally`` aborts the request by id in the engine replica that owns it. ``POST /v1/requests/{id}/cancel`` ends a
-request (on any Ingress replica) through an abort routed to its engine replica instead, so the
-client still receives what was generated, ``finish_reason: "abort"`` and ``[DONE]``.
+Egress (an abort by id to the Egress replica running it), whose ``finally`` aborts the request by
+id in the engine replica that owns it. ``POST /v1/requests/{id}/cancel`` ends a request (on any
+Ingress replica) through an abort routed to its engine replica instead, so the client still
+receives what was generated, ``finish_reason: "abort"`` and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from stages.errors import (
     RequestTimeoutError,
 )
 from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
-from stages.ingress.dispatch import EgressDispatch
 from stages.ingress.http_errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
 from stages.ingress.limits import cap_max_tokens, check_max_tokens
@@ -56,6 +55,7 @@ from stages.ingress.views import (
     metrics_page,
     report_metrics_forever,
 )
+from stages.transport.consumer import Consumer
 from stages.transport.liveness import own_actor_name, own_replica_id
 from stages.metrics import IngressMetrics, RequestRecord
 from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
@@ -96,6 +96,10 @@ def validate_request_id(value: str | None) -> str | None:
     return value
 
 
+def _egress_lost(replica: str) -> BaseException:
+    return EngineUnavailableError(f"The Egress replica {replica} was lost before the request finished. Retry.")
+
+
 def _ms(seconds: float | None) -> float:
     return round((seconds or 0.0) * 1000.0, 3)
 
@@ -133,8 +137,7 @@ class Ingress:
         self.created = int(time.time())
         self.replica = own_replica_id()
         # Jobs reach Egress batched per loop turn, their frames come back on shared channels.
-        self.dispatch = EgressDispatch(egress, own_actor_name(), self.cfg.engine.stream_channel,
-                                       self.cfg.engine.batch_admission)
+        self.to_egress = Consumer(egress, own_actor_name(), _egress_lost)
         self.engine_liveness = EngineLiveness(directory)
         self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close)
         self._background = []
@@ -243,13 +246,15 @@ class Ingress:
             job = GenerationJob(engine_request=engine_request, kind=kind, model_name=self.served_name,
                                 response_id=live.response_id, created=int(time.time()), n=req.n,
                                 stream=req.stream, include_usage=req.include_usage,
-                                echo=getattr(req, "echo", False), consumer=self.dispatch.actor_name,
-                                tool_parsing=tool_parsing(req), channel=self.dispatch.uses_channel(req.stream))
+                                echo=getattr(req, "echo", False), consumer=self.to_egress.name,
+                                tool_parsing=tool_parsing(req))
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
             live.dispatched_at = time.perf_counter()
             deadline = self._deadline(live)
-            gen, start = await self.dispatch.start(job, deadline - time.perf_counter() if deadline else None)
+            call = self.to_egress.open_frames(job)
+            start = await call.start(deadline - time.perf_counter() if deadline else None)
+            gen = call
             self.lifecycle.started(live, start)
             if req.stream:
                 return self._stream(gen, job, live)

@@ -1,34 +1,24 @@
-"""Batched admission: the requests a replica sends the next stage in one loop turn travel in one call.
+"""Batched admission, the caller's half: the requests a replica sends the next stage in one loop
+turn travel in one ``submit`` call.
 
-Why: a request used to open its own streamed call on each hop (Ingress → Egress, Egress →
-engine), whose first item said "accepted" and which stayed open until the request ended. Each of
-those calls costs both ends a round of Serve routing, gRPC and event-loop work (~1 ms of CPU per
-end, measured), and in a burst of 32 requests that work queues on the one core the engine's step
-thread leaves to the stages: round 9 measured ~300 ms from the burst's first send to its last
-request reaching the engine. Since the shared channels (:mod:`stages.transport.channel`) already carry
-everything after the acceptance, only the acceptance needs a call, and the acceptances of one
-loop turn can share it.
+Why: each Serve call costs both ends a round of routing, gRPC and event-loop work (about 1 ms of
+CPU per end), and in a burst of 32 requests that work queues on the one core the engine's step
+leaves to the stages. Only the acceptance needs a call (the channels carry everything after it),
+and the acceptances of one loop turn can share it.
 
 How: :meth:`AdmissionQueue.submit` queues a request and returns a future for its acceptance. The
-queue sends everything waiting as :class:`AdmissionBatch` calls (one per routing key, at most
-``max_batch`` requests each, so a burst still spreads over several replicas). The callee starts
-each request as it would a stream of its own and answers with one :class:`Admission` per request:
-the stream's first item, or its refusal.
+queue sends everything waiting as :class:`~stages.transport.messages.AdmissionBatch` calls (one per
+routing key, at most ``max_batch`` requests each, so a burst still spreads over several replicas).
+The callee (:mod:`stages.transport.producer`) answers with one
+:class:`~stages.transport.messages.Admission` per request: its first item, or its refusal.
 
 When to send: with no call of this queue in flight (an idle server), at the end of the loop turn,
 so a lone request waits for nothing. With calls in flight (a burst is being admitted: an answer
-takes until the engine's next step boundary), requests wait up to ``window_s`` for others. A
-burst's requests reach a stage a few milliseconds apart, each on its own loop turn (measured: a
-burst of 32 through the app sent 1.4 requests per call with no window).
+takes until the engine's next step boundary), requests wait up to ``window_s`` for others, since a
+burst's requests reach a stage a few milliseconds apart, each on its own loop turn.
 
-What the per-request stream used to do, and where it went:
-- its first item (accept or refuse) → the :class:`Admission` in the reply;
-- its later items → the caller's channel, as before;
-- a failure after the acceptance → a :class:`RoutedError` in the channel, in order;
-- the producer replica dying → the channel's attach fails (its requests fail with it);
-- the caller dying → the callee's :class:`stages.transport.liveness.ConsumerWatch`, as before;
-- the caller cancelling → an explicit :class:`AbortRequest` to the replica that accepted it; a
-  request given up before its acceptance came back is aborted when it comes (``on_orphan``).
+A request given up before its acceptance came back (its future cancelled) is handed to
+``on_orphan`` when the acceptance comes, so the caller can end it there.
 
 The calls go out in a fresh ``contextvars`` context: Serve cancels the calls a request makes when
 that request is cancelled, and a batch call belongs to no single request.
@@ -41,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from typing import Any, Generic, TypeVar
 
 from stages.transport.messages import Admission
@@ -144,70 +134,6 @@ class AdmissionQueue(Generic[T]):
         """Wait for the calls in flight (shutdown, tests)."""
         if self._calls:
             await asyncio.gather(*self._calls, return_exceptions=True)
-
-
-class AdmittedStreams:
-    """Callee side: each admitted request's stream runs as a task of its own, keyed by request id.
-
-    :meth:`admit` answers with the stream's first item (or its error) as soon as it comes; the
-    stream then goes on in its task, handing each later item to ``rest`` and an error after the
-    first item to ``failed`` (both put it in the caller's channel). :meth:`cancel` cancels a
-    stream's task, which runs its ``finally`` as a cancelled stream call would."""
-
-    def __init__(self) -> None:
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-
-    def __len__(self) -> int:
-        return len(self._tasks)
-
-    async def admit(self, key: str, stream: AsyncIterator[Any], rest: Callable[[Any], None],
-                    failed: Callable[[BaseException], None]) -> Admission:
-        loop = asyncio.get_running_loop()
-        first: asyncio.Future[Any] = loop.create_future()
-        # A fresh context: the stream outlives the batch call that started it.
-        task = loop.create_task(self._drive(stream, first, rest, failed), context=contextvars.Context())
-        self._tasks[key] = task
-
-        def done(t: asyncio.Task[None]) -> None:
-            if self._tasks.get(key) is t:
-                del self._tasks[key]
-            if not first.done():  # cancelled before ``_drive`` ever ran: the answer must not hang
-                first.set_exception(RuntimeError("the request was cancelled before it was accepted"))
-
-        task.add_done_callback(done)
-        try:
-            return Admission(item=await asyncio.shield(first))
-        except Exception as exc:  # noqa: BLE001 - the refusal goes back as the request's answer
-            return Admission(error=exc)
-
-    def cancel(self, key: str) -> bool:
-        """Cancel the stream of ``key`` (no-op when unknown or done)."""
-        task = self._tasks.get(key)
-        if task is None:
-            return False
-        task.cancel()
-        return True
-
-    @staticmethod
-    async def _drive(stream: AsyncIterator[Any], first: asyncio.Future[Any], rest: Callable[[Any], None],
-                     failed: Callable[[BaseException], None]) -> None:
-        try:
-            async for item in stream:
-                if not first.done():
-                    first.set_result(item)
-                else:
-                    rest(item)
-            if not first.done():
-                first.set_exception(RuntimeError("the stream ended before its first item"))
-        except asyncio.CancelledError:
-            if not first.done():
-                first.set_exception(RuntimeError("the request was cancelled before it was accepted"))
-            raise
-        except Exception as exc:  # noqa: BLE001 - before the first item a refusal, after it a failure
-            if not first.done():
-                first.set_exception(exc)
-            else:
-                failed(exc)
 
 
 _background: set[asyncio.Task[None]] = set()

@@ -1,36 +1,27 @@
-"""Shared streams between the replicas of two stages: one per consumer–producer replica pair.
+"""A producer replica's mailboxes: one per consumer replica, drained by one ``attach`` stream.
 
 Why: every item a Serve stream carries costs both ends a round of serialisation, gRPC and event
-loop wake-ups (about 0.6 ms of CPU per item per hop, measured). With one stream per request, an
-engine step at 32 streams sends 32 items to Egress, and Egress 32 more to Ingress; on a small
-machine that CPU is taken from the engine's own step. Through a channel a step sends one item per
-consumer replica, whatever the batch size. Two hops use it:
+loop wake-ups (about 0.6 ms of CPU per item per hop). With one stream per request, an engine step
+at 32 streams would send 32 items to Egress, and Egress 32 more to Ingress; on a small machine that
+CPU is taken from the engine's own step. Through a channel a step sends one item per consumer
+replica, whatever the batch size. Both hops use it:
 
-- **engine → Egress**: :class:`~stages.transport.messages.EngineOutput` items, merged per engine request
-  while they wait (:class:`~stages.transport.channel_client.Inbox` on the Egress side);
-- **Egress → Ingress**: :class:`~stages.transport.messages.RoutedFrame` items (a request's SSE frames and
-  its summary, in order; :class:`~stages.transport.channel_client.FrameInbox` on the Ingress side).
+- **engine → Egress**: :class:`~stages.transport.messages.EngineOutput` items, merged per engine
+  request while they wait (:class:`~stages.transport.channel_client.Inbox` on the Egress side);
+- **Egress → Ingress**: :class:`~stages.transport.messages.RoutedFrame` items (a request's SSE
+  frames, body parts and summary, in order; :class:`~stages.transport.channel_client.FrameInbox`).
 
-What stays per request is *control*: the acceptance (or the refusal: a full queue is still
-retried elsewhere), cancellation, and failure. With batched admission (:mod:`stages.transport.admission`,
-the default) the acceptance comes in the reply of a ``submit`` call shared with other requests,
-cancellation is an explicit cancel or abort by id, an error after the acceptance is a
-:class:`~stages.transport.messages.RoutedError` in the channel, and a dead producer fails its channel.
-Without it each request keeps its own stream for control: it carries the acceptance, cancelling it
-cancels the request downstream, and it fails when the producer replica dies. Either way the
-producer's consumer watch ends a request whose consumer replica died (:mod:`stages.transport.liveness`), and
-only the data moves through the channel: after the acceptance the producer puts the request's items
-in its consumer's mailbox (:class:`ChannelHub`), and the consumer's ``attach`` stream to that
-replica drains the mailbox, everything that accumulated in one :class:`~stages.transport.messages.ChannelBatch`. The
-consumer's :class:`~stages.transport.channel_client.ChannelClient` opens one attach per producer replica it
-has requests on and hands each item to its request's inbox. This module is the producer side.
+Only data moves through the channel; control (acceptance, refusal, cancel, a consumer dying) is
+:mod:`stages.transport.producer`'s. After the acceptance the producer puts the request's items in
+its consumer's mailbox (:class:`ChannelHub`), and the consumer's ``attach`` stream to that replica
+drains it, everything that accumulated in one :class:`~stages.transport.messages.ChannelBatch`.
 
 Lifetimes: a mailbox's attach ends once the consumer has had no live request on the replica for
 ``linger_s`` (an open stream would hold up the replica's drain on shutdown); the client attaches
 again when a request needs it. Items wait in the mailbox until an attach takes them, so the first
 tokens of a request that arrive before its attach is open are not lost.
 
-Both sides are plain asyncio (no Ray), so they are unit-tested directly.
+Plain asyncio (no Ray), so it is unit-tested directly.
 """
 
 from __future__ import annotations
@@ -44,9 +35,26 @@ from stages.transport.messages import ChannelBatch, EngineOutput, TokenLogprob
 
 #: Seconds a consumer's attach stays open with no live request on the replica.
 DEFAULT_LINGER_S = 1.0
+#: Seconds a mailbox with no live request and no attach is kept for its consumer to come and take
+#: what waits in it (a short request can end before its consumer's attach opens); then it goes.
+UNCLAIMED_TTL_S = 30.0
 #: Items at most in one batch (the rest go in the next): a consumer that fell far behind must not
 #: get a batch past the message size limit between deployments.
 MAX_BATCH_ITEMS = 256
+#: Estimated bytes at most in one batch (items that say their size: body parts), half the 4 MiB
+#: message limit; an item alone in a batch may be larger.
+MAX_BATCH_BYTES = 2 * 1024 * 1024
+
+
+def _batch_len(items: list[Any]) -> int:
+    """How many of ``items`` the next batch takes: at most :data:`MAX_BATCH_ITEMS`, and no more
+    estimated bytes than :data:`MAX_BATCH_BYTES` (at least one item)."""
+    used = 0
+    for i, item in enumerate(items[:MAX_BATCH_ITEMS]):
+        used += getattr(item, "nbytes", 0)
+        if used > MAX_BATCH_BYTES and i > 0:
+            return i
+    return min(len(items), MAX_BATCH_ITEMS)
 
 
 def merge_outputs(request_id: str, outs: list[EngineOutput]) -> EngineOutput:
@@ -82,7 +90,6 @@ def merge_channel_items(items: list[Any]) -> list[Any]:
     return [*merge_group(outs), *(i for i in items if not isinstance(i, EngineOutput))]
 
 
-# -- producer side (the engine, Egress) --------------------------------------------------------------
 @dataclass
 class _Mailbox:
     pending: list[Any] = field(default_factory=list)
@@ -91,6 +98,8 @@ class _Mailbox:
     live: int = 0
     #: Bumped by every attach: an older attach of the same consumer ends (the newest one wins).
     attach_seq: int = 0
+    #: Attach streams open on it now.
+    attached: int = 0
 
 
 class ChannelHub:
@@ -100,9 +109,10 @@ class ChannelHub:
     request's outputs into one; frames keep their order as they are)."""
 
     def __init__(self, replica: str, linger_s: float = DEFAULT_LINGER_S,
-                 merge: Callable[[list[Any]], list[Any]] = list) -> None:
+                 merge: Callable[[list[Any]], list[Any]] = list, unclaimed_ttl_s: float = UNCLAIMED_TTL_S) -> None:
         self.replica = replica
         self.linger_s = linger_s
+        self.unclaimed_ttl_s = unclaimed_ttl_s
         self.merge = merge
         self._boxes: dict[str, _Mailbox] = {}
         #: Batches sent and the items they carried (their ratio is the multiplexing achieved).
@@ -117,11 +127,18 @@ class ChannelHub:
         self._boxes.setdefault(consumer, _Mailbox()).live += 1
 
     def close(self, consumer: str) -> None:
-        """That request's engine stream ended (its outputs are all pushed)."""
+        """That request ended (its items are all pushed). A mailbox left with no live request and
+        no attach is dropped after :attr:`unclaimed_ttl_s` unless its consumer attaches by then."""
         box = self._boxes.get(consumer)
         if box is not None:
             box.live -= 1
             box.event.set()  # an idle attach starts its linger
+            if box.live <= 0 and not box.attached:
+                asyncio.get_running_loop().call_later(self.unclaimed_ttl_s, self._expire, consumer, box)
+
+    def _expire(self, consumer: str, box: _Mailbox) -> None:
+        if self._boxes.get(consumer) is box and box.live <= 0 and not box.attached:
+            del self._boxes[consumer]
 
     def push(self, consumer: str, outs: list[Any]) -> None:
         box = self._boxes.get(consumer)
@@ -150,14 +167,16 @@ class ChannelHub:
         box.attach_seq += 1
         seq = box.attach_seq
         self.attaches += 1
+        box.attached += 1
         try:
             yield ChannelBatch(self.replica, [])
             while box.attach_seq == seq:
                 box.event.clear()
                 if box.pending:
                     outs = self.merge(box.pending)
-                    box.pending = outs[MAX_BATCH_ITEMS:]
-                    batch = ChannelBatch(self.replica, outs[:MAX_BATCH_ITEMS])
+                    take = _batch_len(outs)
+                    box.pending = outs[take:]
+                    batch = ChannelBatch(self.replica, outs[:take])
                     self.batches_sent += 1
                     self.items_sent += len(batch.items)
                     yield batch
@@ -172,6 +191,7 @@ class ChannelHub:
                         return
         finally:
             self.attaches -= 1
+            box.attached -= 1
             if (box.attach_seq == seq and box.live <= 0 and not box.pending
                     and self._boxes.get(consumer) is box):
                 del self._boxes[consumer]

@@ -3,8 +3,8 @@ Ingress reads Egress's frames.
 
 A :class:`ChannelClient` opens one attach stream per producer replica it has requests on and hands
 each item to the inbox of its request (:class:`Inbox` for engine outputs, :class:`FrameInbox` for
-frames); :func:`engine_items` and :class:`FrameStream` are what a request reads. An item whose
-request no inbox waits for any more ends that request in its producer (``on_stray``).
+frames); :mod:`stages.transport.consumer` reads them. An item whose request no inbox waits for any
+more ends that request in its producer (``on_stray``).
 
 Plain asyncio (no Ray), so it is unit-tested directly.
 """
@@ -15,7 +15,7 @@ import asyncio
 import contextvars
 import logging
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from stages.transport.channel import merge_group
@@ -41,14 +41,19 @@ class _Slot:
         self._pending: list[Any] = []
         self._event = asyncio.Event()
         self._error: BaseException | None = None
+        #: The producer sent the request's last item, or an error ending it there.
+        self.finished = False
 
     def push(self, item: Any) -> None:
         self._pending.append(item)
         self._event.set()
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, *, by_producer: bool = False) -> None:
+        """End the request with ``error`` once what came before it is taken; ``by_producer``: the
+        producer sent it (the request ended there), else the channel was lost."""
         if self._error is None:
             self._error = error
+            self.finished = self.finished or by_producer
         self._event.set()
 
     async def _wait(self) -> None:
@@ -77,6 +82,7 @@ class Inbox(_Slot):
         for out in outs:
             if out.finish_reason is not None:
                 self._open.discard(out.request_id)
+        self.finished = self.finished or not self._open
 
     async def get(self) -> list[EngineOutput]:
         """Everything delivered since the last call, one merged output per choice."""
@@ -87,21 +93,19 @@ class Inbox(_Slot):
 
 
 class FrameInbox(_Slot):
-    """The frames of one API request from its Egress replica, in order, up to its summary; an
-    error Egress met after the start comes in its place, after the frames before it."""
+    """The frames of one API request from its Egress replica, in order, up to its summary (a whole
+    body comes as :class:`~stages.transport.messages.ReplyPart` items before it); an error Egress
+    met after the start comes in its place, after the frames before it."""
 
     def __init__(self, request_id: str) -> None:
         super().__init__([request_id])
-        #: The request ended in Egress with an error it sent (not a lost channel).
-        self.ended_by_producer = False
 
     async def __anext__(self) -> Any:
-        """The next frame or summary."""
+        """The next frame, body part or summary."""
         await self._wait()
         item: RoutedFrame = self._pending.pop(0)
-        if item.error is not None:
-            self.ended_by_producer = True
-            raise item.error
+        if isinstance(item.item, StreamSummary):
+            self.finished = True
         return item.item
 
 
@@ -121,7 +125,7 @@ def is_final(item: Any) -> bool:
     if isinstance(item, EngineOutput):
         return item.finish_reason is not None
     if isinstance(item, RoutedFrame):
-        return item.error is not None or isinstance(item.item, StreamSummary)
+        return isinstance(item.item, StreamSummary)
     return True  # a RoutedError
 
 
@@ -188,6 +192,10 @@ class ChannelClient:
     def num_attached(self) -> int:
         return sum(1 for t in self._tasks.values() if not t.done())
 
+    def settle(self, request_id: str) -> None:
+        """``request_id`` needs no abort from here (its owner ended it): its late items are dropped."""
+        self._settle(request_id)
+
     def _settle(self, request_id: str) -> None:
         self._settled[request_id] = None
         self._settled.move_to_end(request_id)
@@ -225,7 +233,7 @@ class ChannelClient:
                             self._stray(replica, item)
                             continue
                         if isinstance(item, RoutedError):
-                            inbox.fail(item.error)  # raised once the items before it are taken
+                            inbox.fail(item.error, by_producer=True)  # raised after the items before it
                         else:
                             inbox.push(item)
                     delivered += len(batch.items)
@@ -240,84 +248,3 @@ class ChannelClient:
             if empty >= MAX_EMPTY_ATTACHES:
                 self._fail(replica, self.lost_error(replica))
                 return
-
-
-# -- a request's items on the consumer side: its own stream's start, then its inbox -------------------
-async def watch_control(gen: Any, inbox: Any) -> None:
-    """Follow a channel request's own stream after its first item: it carries nothing more in
-    the normal case (anything that comes is kept); its failure is the request's failure."""
-    try:
-        async for items in gen:
-            for item in items if isinstance(items, list) else [items]:
-                inbox.push(item)
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # noqa: BLE001 - the call failed (its replica died): so does the request
-        inbox.fail(exc)
-
-
-def _watch(gen: Any, inbox: Any) -> asyncio.Task[None]:
-    return asyncio.get_running_loop().create_task(watch_control(gen, inbox))
-
-
-async def engine_items(accepted: Awaitable[list[EngineOutput]], inbox: Inbox, client: ChannelClient,
-                       control: Any = None) -> AsyncIterator[list[EngineOutput]]:
-    """Egress's view of a channel request: its acceptance (the first item of its own engine
-    stream ``control``, or a batch call's answer), then its outputs as the channel delivers them,
-    one merged list per wake-up. A ``control`` stream is watched: its failure fails the request."""
-    first = await accepted
-    inbox.note(first)
-    client.bind(inbox, first[0].replica or "")
-    watch = _watch(control, inbox) if control is not None else None
-    try:
-        yield first
-        while not inbox.done:
-            yield await inbox.get()
-        # The engine ends a request only after its final output: nothing is lost.
-    finally:
-        if watch is not None:
-            watch.cancel()
-
-
-class FrameStream:
-    """Ingress's view of a channel request after its :class:`~stages.transport.messages.StreamStart`: the
-    frames and the summary from the channel. ``cancel()`` ends the request in Egress (which aborts
-    it in the engine), as cancelling a plain stream would: by cancelling the request's own stream
-    ``gen``, or, for a batch-admitted request (no stream of its own, ``gen`` is ``None``), through
-    ``on_cancel``."""
-
-    def __init__(self, gen: Any, inbox: FrameInbox, client: ChannelClient, replica: str,
-                 on_cancel: Callable[[], None] | None = None) -> None:
-        self._gen = gen
-        self._inbox = inbox
-        self._client = client
-        self._on_cancel = on_cancel
-        self._ended = False
-        client.bind(inbox, replica)
-        self._watch = _watch(gen, inbox) if gen is not None else None
-
-    def __aiter__(self) -> FrameStream:
-        return self
-
-    async def __anext__(self) -> Any:
-        try:
-            item = await self._inbox.__anext__()
-        except BaseException:
-            # An error Egress sent ended the request there; a cancelled wait or a lost channel
-            # (Egress may still be running it) did not: cancel() still sends the cancel.
-            self._ended = self._ended or self._inbox.ended_by_producer
-            self._client.unregister(self._inbox, aborted=self._ended)
-            raise
-        if isinstance(item, StreamSummary):
-            # The request's own stream ends by itself now (the watch sees it end).
-            self._ended = True
-            self._client.unregister(self._inbox, aborted=True)
-        return item
-
-    def cancel(self) -> None:
-        if self._gen is not None:
-            self._gen.cancel()  # the watch ends with it
-        elif self._on_cancel is not None and not self._ended:
-            self._ended = True
-            self._on_cancel()
-        self._client.unregister(self._inbox, aborted=True)

@@ -4,9 +4,10 @@ Ray Serve's gRPC transport between deployments (on under ``RAY_SERVE_THROUGHPUT_
 refuses any message over 4 MiB, and a handle call whose reply outgrows it fails with a bare
 ``AioRpcError``. ``/tokenize`` of a 1 MB prompt answers about 250,000 ids, their token strings and the
 prompt (well over that), and ``/detokenize`` can grow the same way, so Preprocess streams such
-replies: :func:`split_reply` cuts a reply dict into :class:`~stages.transport.messages.ReplyPart` items of at
-most :data:`PART_BYTES` (estimated from above), and :func:`join_reply` puts them back together in
-Ingress. A small reply is one part. :func:`render_json` then writes the JSON in slices, yielding to
+replies: :func:`split_reply` cuts a reply dict into :class:`~stages.transport.messages.ReplyPart`
+items of at most :data:`PART_BYTES` (estimated from above), and :func:`join_reply` puts them back
+together in Ingress. A small reply is one part. (A non-streamed completion's body, whose size sits
+inside nested choices, is sent as pickled slices instead: :func:`stages.transport.producer.frames`.) :func:`render_json` then writes the JSON in slices, yielding to
 the event loop between them, so one huge answer does not hold up other requests on that replica.
 """
 
@@ -115,10 +116,15 @@ def split_reply(reply: dict[str, Any], part_bytes: int = PART_BYTES) -> Iterator
 
 
 async def join_reply(parts: AsyncIterable[ReplyPart]) -> dict[str, Any]:
+    """The reply :func:`split_reply` cut up, from a stream of its parts."""
+    return join_parts([part async for part in parts])
+
+
+def join_parts(parts: list[ReplyPart]) -> dict[str, Any]:
     """The reply :func:`split_reply` cut up: lists extended, strings concatenated, in order."""
     out: dict[str, Any] = {}
     texts: dict[str, list[str]] = {}
-    async for part in parts:
+    for part in parts:
         for key, value in part.fields.items():
             if isinstance(value, str):
                 texts.setdefault(key, []).append(value)

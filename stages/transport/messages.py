@@ -141,14 +141,11 @@ class EngineRequest:
     upstream_timings: dict[str, float] = field(default_factory=dict)
     #: Engine replicas that already refused this request with a full queue: the router skips them.
     avoid_replicas: list[str] = field(default_factory=list)
-    #: Ray actor name of the replica reading the engine stream (Egress): the engine aborts the
-    #: request if that replica dies (:mod:`stages.transport.liveness`).
+    #: Ray actor name of the replica reading the request's outputs (Egress): the engine keys its
+    #: channel mailbox by it and ends the request if that replica dies (:mod:`stages.transport.liveness`).
     consumer: str = ""
     #: Structured output: every choice's tokens must match this grammar (``None``: unconstrained).
     grammar: GrammarSpec | None = None
-    #: After the acceptance item, send the tokens through the consumer's shared channel
-    #: (:mod:`stages.transport.channel`) instead of this request's own stream. Needs ``consumer``.
-    channel: bool = False
 
     def choice_ids(self) -> list[str]:
         """The engine request id of every choice, in choice order."""
@@ -163,9 +160,9 @@ def choice_request_id(request_id: str, index: int, n: int) -> str:
 
 @dataclass
 class AbortRequest:
-    """Abort these requests on the replica ``replica`` (the router sends it there): engine request
-    ids on an engine replica, API request ids on an Egress replica (an Ingress cancelling the
-    batch-admitted requests it gave up on, :mod:`stages.transport.admission`).
+    """End these requests on the replica ``replica`` (the router sends it there): engine request
+    ids on an engine replica, API request ids on an Egress replica (an Ingress ending the jobs it
+    gave up on, :mod:`stages.transport.consumer`).
 
     Unknown or finished ids are ignored. Each aborted request ends its stream normally with
     ``finish_reason="abort"``, so the client still gets what was generated so far.
@@ -177,10 +174,10 @@ class AbortRequest:
 
 @dataclass
 class AdmissionBatch:
-    """Several requests for one replica in one call (:mod:`stages.transport.admission`): engine requests
-    (Egress → engine) or generation jobs (Ingress → Egress). Each runs as if it had its own
-    stream; what would have been that stream's first item comes back in the reply, and the rest
-    through the caller's channel (:mod:`stages.transport.channel`)."""
+    """The requests one caller replica sends a producer replica in one loop turn, in one call
+    (:mod:`stages.transport.admission`): engine requests (Egress → engine) or generation jobs
+    (Ingress → Egress). Each one's acceptance (its first item) or refusal comes back in the
+    reply; the rest through the caller's channel (:mod:`stages.transport.producer`)."""
 
     items: list[Any]
 
@@ -197,7 +194,8 @@ class Admission:
 @dataclass
 class RoutedError:
     """A channel item ending one request with an error, after the items before it (the request
-    failed in the producer after it was accepted: the engine died, a step failed for it)."""
+    failed in the producer after it was accepted: the engine died, a step failed for it, Egress
+    failed to frame it). ``request_id`` is the key the request's items are routed by."""
 
     request_id: str
     error: BaseException
@@ -298,15 +296,13 @@ class GenerationJob:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
-    #: Ray actor name of the Ingress replica reading the Egress stream (:mod:`stages.transport.liveness`).
+    #: Ray actor name of the Ingress replica reading the frames: Egress keys its channel mailbox by
+    #: it and ends the job if that replica dies (:mod:`stages.transport.liveness`).
     consumer: str = ""
     #: Parse Hermes-style ``<tool_call>`` blocks out of the output into ``tool_calls``:
     #: ``"auto"``/``"required"`` (finish reason ``tool_calls`` when there are any), ``"named"``
     #: (finish reason ``stop``, as OpenAI does for a forced function), ``None`` (no tools).
     tool_parsing: str | None = None
-    #: After the :class:`StreamStart`, send the frames and the summary through the consumer's
-    #: shared channel (:mod:`stages.transport.channel`) instead of this request's own stream. Needs ``consumer``.
-    channel: bool = False
 
 
 # -- Egress → Ingress -------------------------------------------------------------------------------
@@ -353,17 +349,23 @@ class StreamSummary:
     body: dict[str, Any] | None = None
 
 
-EgressItem = StreamStart | StreamFrame | StreamSummary
-
-
 @dataclass
 class RoutedFrame:
-    """An Egress item in a channel batch, named by its request; ``error`` instead of ``item`` when
-    the request failed in Egress after its start (it reaches Ingress in order, after the frames)."""
+    """An Egress item in a channel batch, named by its request: a frame, a part of a whole body,
+    or the summary (always last)."""
 
     request_id: str
-    item: StreamFrame | StreamSummary | None = None
-    error: BaseException | None = None
+    item: StreamFrame | BodyPart | StreamSummary
+
+    @property
+    def nbytes(self) -> int:
+        """An upper bound of its pickled size (what a channel batch is bounded by)."""
+        item = self.item
+        if isinstance(item, BodyPart):
+            return len(item.data) + 64
+        if isinstance(item, StreamFrame):
+            return 4 * len(item.data) + 128
+        return 512
 
 
 # -- the live-request directory ---------------------------------------------------------------------
@@ -412,3 +414,12 @@ class ReplyPart:
     (see :mod:`stages.transport.chunking`): each value is a whole scalar, or a slice of a string or list."""
 
     fields: dict[str, Any]
+
+
+@dataclass
+class BodyPart:
+    """A slice of a whole (non-streamed) response body, pickled: a body with many choices or
+    logprobs can outgrow one inter-deployment message, so it travels in slices of bounded size
+    before its :class:`StreamSummary` (:func:`stages.transport.producer.frames`)."""
+
+    data: bytes

@@ -30,7 +30,7 @@ def _request(prompt: list[int], max_tokens: int) -> EngineRequest:
     # consumer "" : no liveness watch (no actor has that name), the mailbox is keyed by "".
     return EngineRequest(request_id=uuid.uuid4().hex, prompt_token_ids=prompt,
                          sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                         consumer="", channel=True)
+                         consumer="")
 
 
 async def _submit_and_drain(app: str, batch: list[EngineRequest], abort_after_first: str | None = None,

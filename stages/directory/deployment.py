@@ -1,0 +1,87 @@
+"""The Directory deployment: the Ray Serve adapter around :class:`LiveDirectory` (see
+:mod:`stages.directory.directory` for what it keeps and why)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from ray import serve
+
+from stages.directory.directory import LiveDirectory
+from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, WatchReply
+
+
+@serve.deployment(name="Directory", num_replicas=1, max_ongoing_requests=4096,
+                  ray_actor_options={"num_cpus": 0.05}, graceful_shutdown_timeout_s=1)
+class DirectoryDeployment:
+    """One replica: the directory's state must be in one place. Restarts heal (see module doc)."""
+
+    def __init__(self, watch_timeout_s: float = 10.0, report_ttl_s: float = 5.0) -> None:
+        self.watch_timeout_s = watch_timeout_s
+        self.live = LiveDirectory(owner_ttl_s=max(6 * watch_timeout_s, 30.0), report_ttl_s=report_ttl_s)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def sync(self, owner: str, added: list[LiveEntry], removed: list[str], full: bool = False) -> None:
+        self.live.sync(owner, added, removed, full)
+
+    async def watch(self, owner: str) -> WatchReply:
+        """Long poll: returns as soon as a cancel for ``owner`` arrives, or after the timeout. An
+        owner this directory does not know (it restarted, or pruned the owner) must resync."""
+        if not self.live.knows(owner):
+            return WatchReply(resync=True)
+        box = self.live._touch(owner)
+        if not box.mailbox:
+            box.wake = asyncio.Event()
+            try:
+                await asyncio.wait_for(box.wake.wait(), self.watch_timeout_s)
+            except TimeoutError:
+                pass
+            finally:
+                box.wake = None
+        self.live.prune()
+        return WatchReply(cancel_ids=self.live.take_cancels(owner))
+
+    async def cancel(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
+        return self.live.cancel(key, api_key_id)
+
+    async def report(self, report: EngineReport) -> list[str]:
+        """An engine's report; returns the request ids other replicas forwarded to it to abort."""
+        return self.live.report(report)
+
+    async def forward_abort(self, request: AbortRequest) -> None:
+        """An abort or cancel by id that reached another replica than the one it names (that one
+        is draining): kept until the named replica takes it."""
+        self.live.forward_abort(request)
+
+    async def take_aborts(self, replica: str) -> list[str]:
+        """The ids forwarded to ``replica`` to abort (an Egress replica asks each interval)."""
+        self.live.prune()
+        return self.live.take_aborts(replica)
+
+    async def num_forwarded_aborts(self) -> int:
+        return self.live.num_forwarded()
+
+    async def report_ingress(self, owner: str, metrics_text: str) -> None:
+        self.live.ingress_metrics[owner] = metrics_text
+
+    async def metrics_snapshot(self) -> tuple[dict[str, str], list[EngineReport]]:
+        """Every Ingress replica's metrics text and every engine's latest report."""
+        return dict(self.live.ingress_metrics), self.live.engine_reports()
+
+    async def engines(self) -> list[EngineReport]:
+        return self.live.engine_reports()
+
+    async def num_live(self) -> int:
+        """Live requests known app-wide (tests and the soak check that nothing is left)."""
+        return len(self.live.entries)
+
+    async def live_entries(self) -> list[LiveEntry]:
+        """Every live request the directory knows (for operators and tests)."""
+        return list(self.live.entries.values())
+
+    async def max_model_len(self) -> int | None:
+        """The smallest context length of the engines reporting (what every stage must enforce)."""
+        lens = [r.max_model_len for r in self.live.engine_reports() if r.max_model_len]
+        return min(lens) if lens else None
