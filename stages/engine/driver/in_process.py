@@ -15,22 +15,26 @@ from typing import Any
 from stages.engine.core.engine import EngineConfig, LLMEngine
 from stages.engine.driver.faults import StepFaults
 from stages.engine.driver.interface import Deliver
-from stages.engine.driver.messages import LoopEvent, LoopStatus, ToLoop
+from stages.engine.driver.messages import LoopEvent, LoopSpec, LoopStatus, ToLoop
 from stages.engine.driver.step_loop import StepLoop
 
 
 class InProcessDriver:
-    """Runs ``engine``'s :class:`StepLoop` on a daemon thread (see :class:`~stages.engine.driver.interface.Driver`)."""
+    """Runs ``engine``'s :class:`StepLoop` on a daemon thread (see :class:`~stages.engine.driver.interface.Driver`).
 
-    def __init__(self, engine: LLMEngine, *, max_waiting: int = 256, replica: str = "",
-                 faults: StepFaults | None = None, thread_nice: int | None = None, tracer: Any = None) -> None:
+    The options are :class:`LoopSpec`'s, with its defaults; ``faults`` is the loop's fault hook
+    itself (tests arm it directly), and ``tracer`` gets every finished request."""
+
+    def __init__(self, engine: LLMEngine, *, max_waiting: int = LoopSpec.max_waiting, replica: str = LoopSpec.replica,
+                 faults: StepFaults | None = None, thread_nice: int | None = LoopSpec.thread_nice,
+                 tracer: Any = None) -> None:
         self.engine = engine
         self.config: EngineConfig = engine.config
         self.max_waiting = max_waiting
         self.replica = replica
         self._deliver: Deliver | None = None
-        self.loop = StepLoop(engine, self._emit, max_waiting=max_waiting, replica=replica, faults=faults,
-                             thread_nice=thread_nice, tracer=tracer)
+        self.loop = StepLoop(engine, self._emit, max_waiting=max_waiting, replica=replica,
+                             faults=faults or StepFaults(), thread_nice=thread_nice, tracer=tracer)
         self.thread: threading.Thread | None = None
 
     def start(self, deliver: Deliver) -> None:

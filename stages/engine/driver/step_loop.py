@@ -91,14 +91,14 @@ class StepLoop:
     ``tracer`` (an :class:`~stages.engine.driver.tracing.EngineTracer`), when given, gets every
     finished request; its count is on the status as ``traced_requests``."""
 
-    def __init__(self, engine: LLMEngine, emit: Emit, *, max_waiting: int = 256, replica: str = "",
-                 faults: StepFaults | None = None, thread_nice: int | None = None, tracer: Any = None) -> None:
+    def __init__(self, engine: LLMEngine, emit: Emit, *, max_waiting: int, replica: str, faults: StepFaults,
+                 thread_nice: int | None, tracer: Any = None) -> None:
         self.engine = engine
         self.emit = emit
         self.max_waiting = max_waiting
         self.replica = replica
         #: Test-only fault hook (:mod:`stages.engine.driver.faults`); off unless enabled.
-        self.faults = faults or StepFaults()
+        self.faults = faults
         #: Nice value for the loop's thread (:mod:`stages.engine.driver.priority`); ``None`` leaves it.
         self.thread_nice = thread_nice
         self.tracer = tracer
