@@ -72,8 +72,9 @@ class EngineDeployment:
         configure_tracing(tracing, component="engine")
         self.settings = EngineSettings(**(engine or {}))
         self.replica = own_replica_id()
-        # With a core process the child resolves device=auto: this process never imports torch.
-        config = self.settings.to_engine_config(model, resolve_device=not self.settings.core_process)
+        # device=auto resolves where the model loads (LLMEngine.from_config): with a core process,
+        # this process never imports torch.
+        config = self.settings.to_engine_config(model, resolve_device=False)
         spec = LoopSpec(config, max_waiting=self.settings.max_waiting_requests, replica=self.replica,
                         thread_nice=self.settings.step_thread_nice, fault_injection=self.settings.fault_injection,
                         tracing=tracing)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.engine.core.engine import EngineConfig
 from stages.engine.core.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -30,6 +30,7 @@ from stages.engine.core.errors import (
 from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.driver.core_process import ChildProcessDriver
 from stages.engine.driver.in_process import InProcessDriver
+from stages.engine.driver.interface import build_driver
 from stages.engine.driver.messages import LoopSpec
 from stages.transport.messages import EngineRequest, SamplingParams, StructuredOutputSpec
 
@@ -109,7 +110,7 @@ def _requests(tag: str) -> list[EngineRequest]:
 
 
 def test_a_child_process_gives_the_same_tokens_as_the_loop_on_a_thread(core, tiny_model, loop) -> None:
-    threaded = AsyncEngine(InProcessDriver(LLMEngine.from_config(_config(tiny_model))))
+    threaded = AsyncEngine(build_driver(LoopSpec(_config(tiny_model)), child_process=False))
 
     async def both() -> tuple[list[dict[int, list[int]]], list[dict[int, list[int]]]]:
         threaded.start()
@@ -124,6 +125,8 @@ def test_a_child_process_gives_the_same_tokens_as_the_loop_on_a_thread(core, tin
     assert in_process == on_thread
     assert [len(t[0]) for t in in_process] == [10, 14, 6, 9] and len(in_process[3]) == 2
     assert core.replica == "r-core" and core.driver.pid != os.getpid()
+    assert isinstance(threaded.driver, InProcessDriver) and threaded.driver.pid == os.getpid()
+    assert threaded.loop_counters() == {"traced_requests": 0}  # the tracer runs where the loop does
 
 
 def test_the_acceptance_names_the_replica_and_the_stats_come_from_the_child(core, loop) -> None:
