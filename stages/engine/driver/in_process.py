@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from stages.engine.core.engine import EngineConfig, LLMEngine
 from stages.engine.driver.faults import StepFaults
 from stages.engine.driver.interface import Deliver
 from stages.engine.driver.messages import LoopEvent, LoopSpec, LoopStatus, ToLoop
 from stages.engine.driver.step_loop import StepLoop
+
+if TYPE_CHECKING:
+    from stages.engine.driver.tracing import EngineTracer
 
 
 class InProcessDriver:
@@ -27,7 +30,7 @@ class InProcessDriver:
 
     def __init__(self, engine: LLMEngine, *, max_waiting: int = LoopSpec.max_waiting, replica: str = LoopSpec.replica,
                  faults: StepFaults | None = None, thread_nice: int | None = LoopSpec.thread_nice,
-                 tracer: Any = None) -> None:
+                 tracer: EngineTracer | None = None) -> None:
         self.engine = engine
         self.config: EngineConfig = engine.config
         self.max_waiting = max_waiting

@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.engine.core.engine import EngineStats, LLMEngine
 from stages.engine.core.errors import (
@@ -48,7 +48,10 @@ from stages.engine.driver.messages import (
     ToLoop,
 )
 from stages.engine.driver.priority import raise_thread_priority
-from stages.transport.messages import EngineOutput
+from stages.transport.messages import EngineOutput, GrammarSpec
+
+if TYPE_CHECKING:
+    from stages.engine.driver.tracing import EngineTracer
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +91,11 @@ Emit = Callable[[LoopEvent], None]
 class StepLoop:
     """Runs ``engine`` until stopped; see the module docstring for what goes in and out.
 
-    ``tracer`` (an :class:`~stages.engine.driver.tracing.EngineTracer`), when given, gets every
-    finished request; its count is on the status as ``traced_requests``."""
+    ``tracer``, when given, gets every finished request (its spans are emitted where the loop
+    runs); its count is on the status as ``traced_requests``."""
 
     def __init__(self, engine: LLMEngine, emit: Emit, *, max_waiting: int, replica: str, faults: StepFaults,
-                 thread_nice: int | None, tracer: Any = None) -> None:
+                 thread_nice: int | None, tracer: EngineTracer | None = None) -> None:
         self.engine = engine
         self.emit = emit
         self.max_waiting = max_waiting
@@ -221,7 +224,7 @@ class StepLoop:
             grammars = self.engine.grammars
             if (request.grammar is not None and add.grammar_template is None and grammars is not None
                     and grammars.lookup(request.grammar) is None):
-                self._build_grammar(add)
+                self._build_grammar(add, request.grammar)
                 return  # it comes back with its template, built off this thread
             waiting = len(self.engine.scheduler.waiting)
             if add.admit and waiting + add.admit > self.max_waiting:
@@ -240,9 +243,8 @@ class StepLoop:
         except EngineError as exc:
             self.emit(Fail(add.request_id, exc))
 
-    def _build_grammar(self, add: AddRequest) -> None:
+    def _build_grammar(self, add: AddRequest, spec: GrammarSpec) -> None:
         grammars = self.engine.grammars
-        spec = add.request.grammar
         self._building.add(add.request_id)
 
         def build() -> None:
