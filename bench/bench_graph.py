@@ -62,10 +62,11 @@ async def inproc_one(engine: Any, rid: str, ids: list[int], max_tokens: int) -> 
 
 async def inproc_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]:
     """An in-process engine and the ``one`` request function over it (the caller shuts it down)."""
-    from stages.engine.driver.async_engine import AsyncEngine
     from stages.engine.core.engine import LLMEngine
+    from stages.engine.driver.async_engine import AsyncEngine
+    from stages.engine.driver.in_process import InProcessDriver
 
-    engine = AsyncEngine(LLMEngine.from_config(settings.to_engine_config(EMBEDDED_MODEL)))
+    engine = AsyncEngine(InProcessDriver(LLMEngine.from_config(settings.to_engine_config(EMBEDDED_MODEL))))
     engine.start()
 
     def one(i: int, text: str, mt: int) -> Any:

@@ -197,7 +197,7 @@ async def run(a: argparse.Namespace, settings: EngineSettings, url: str) -> dict
             await asyncio.gather(*[graph(i, text, 16) for i, text in enumerate(prompts(a.streams))])
             after = thread_cpu(pid)
             step_tid = max(after, key=lambda t: after[t] - before.get(t, 0.0))
-            where = {"in_process": (inproc, os.getpid(), engine._thread.native_id),
+            where = {"in_process": (inproc, os.getpid(), engine.driver.thread.native_id),
                      "graph": (graph, pid, step_tid)}
             names = ["in_process", "graph"]
             if a.worker_nice is not None:
@@ -212,14 +212,15 @@ async def run(a: argparse.Namespace, settings: EngineSettings, url: str) -> dict
                 local, local_one = await local_core_side(settings, load_tokenizer(EMBEDDED_MODEL))
                 engines.append(local)
                 await local_one(0, "warm up", 4)
-                assert local.core is not None and local.core.pid is not None
-                before = thread_cpu(local.core.pid)
+                core_pid = local.driver.pid
+                assert core_pid is not None
+                before = thread_cpu(core_pid)
                 await asyncio.gather(*[local_one(i, text, 16) for i, text in enumerate(prompts(a.streams))])
-                after = thread_cpu(local.core.pid)
+                after = thread_cpu(core_pid)
                 local_tid = max(after, key=lambda t: after[t] - before.get(t, 0.0))
                 names.append(LOCAL_CORE_SIDE)
                 sides[LOCAL_CORE_SIDE] = []
-                where[LOCAL_CORE_SIDE] = (local_one, local.core.pid, local_tid)
+                where[LOCAL_CORE_SIDE] = (local_one, core_pid, local_tid)
             for i in range(a.pairs):
                 order = names[i % len(names):] + names[:i % len(names)]  # each side leads in turn
                 for side in order:
@@ -246,9 +247,10 @@ async def local_core_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]
     of this process: the graph's child, with no Serve around it."""
     from bench.bench_graph import inproc_one
     from stages.engine.driver.async_engine import AsyncEngine
-    from stages.engine.driver.core_process import CoreProcess, CoreSpec
+    from stages.engine.driver.core_process import ChildProcessDriver
+    from stages.engine.driver.messages import LoopSpec
 
-    engine = AsyncEngine(core=CoreProcess(CoreSpec(settings.to_engine_config(EMBEDDED_MODEL))))
+    engine = AsyncEngine(ChildProcessDriver(LoopSpec(settings.to_engine_config(EMBEDDED_MODEL))))
     loop = asyncio.get_running_loop()
     await asyncio.to_thread(engine.start, loop)
 

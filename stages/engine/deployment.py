@@ -32,10 +32,9 @@ from ray.serve.config import RequestRouterConfig
 from stages.transport.channel import merge_channel_items
 from stages.config import EngineSettings
 from stages.engine.driver.async_engine import AsyncEngine
-from stages.engine.driver.core_process import CoreProcess, CoreSpec
-from stages.engine.core.engine import LLMEngine
 from stages.engine.core.errors import EngineDeadError
-from stages.engine.driver.faults import StepFaults
+from stages.engine.driver.interface import build_driver
+from stages.engine.driver.messages import LoopSpec
 from stages.transport.liveness import own_replica_id
 from stages.transport.messages import (
     AbortRequest,
@@ -62,32 +61,23 @@ class EngineDeployment:
 
     async def __init__(self, model: str, engine: dict[str, Any] | None = None,
                        tracing: dict[str, Any] | None = None, directory: Any = None) -> None:
-        from stages.engine.driver.tracing import EngineTracer
         from stages.telemetry import configure_logging, configure_tracing
 
         configure_logging()
         configure_tracing(tracing, component="engine")
         self.settings = EngineSettings(**(engine or {}))
         self.replica = own_replica_id()
-        # With a core process the child resolves device=auto: this process never imports torch.
-        config = self.settings.to_engine_config(model, resolve_device=not self.settings.core_process)
-        faults = StepFaults(self.settings.fault_injection)
-        common = {"max_waiting": self.settings.max_waiting_requests, "replica": self.replica,
-                  "stall_timeout_s": self.settings.stall_timeout_s, "faults": faults}
-        self.tracer = EngineTracer()
-        if self.settings.core_process:
-            spec = CoreSpec(config, max_waiting=self.settings.max_waiting_requests, replica=self.replica,
-                            thread_nice=self.settings.step_thread_nice, fault_injection=faults.enabled,
-                            tracing=tracing)
-            self.async_engine = AsyncEngine(core=CoreProcess(spec), **common)
-            # The child loads the model; this loop stays free meanwhile.
-            await asyncio.to_thread(self.async_engine.start, asyncio.get_running_loop())
-        else:
-            engine_core = LLMEngine.from_config(config)
-            engine_core.on_finish = self.tracer.on_finish
-            self.async_engine = AsyncEngine(engine_core, thread_nice=self.settings.step_thread_nice, **common)
-            # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
-            self.async_engine.start(asyncio.get_running_loop())
+        # device=auto resolves where the model loads (LLMEngine.from_config): with a core process,
+        # this process never imports torch.
+        config = self.settings.to_engine_config(model, resolve_device=False)
+        spec = LoopSpec(config, max_waiting=self.settings.max_waiting_requests, replica=self.replica,
+                        thread_nice=self.settings.step_thread_nice, fault_injection=self.settings.fault_injection,
+                        tracing=tracing)
+        self.async_engine = AsyncEngine(build_driver(spec, child_process=self.settings.core_process),
+                                        stall_timeout_s=self.settings.stall_timeout_s)
+        # A child process loads the model meanwhile; this loop stays free. Outputs are delivered
+        # on the loop Serve runs our calls on.
+        await asyncio.to_thread(self.async_engine.start, asyncio.get_running_loop())
         #: Requests in and outputs out (stages.transport.producer); aborts by id go to the engine, so
         #: an aborted request still ends its stream with ``finish_reason="abort"``.
         self.transport = Producer(self.replica, merge=merge_channel_items, directory=directory)
@@ -98,7 +88,7 @@ class EngineDeployment:
         self._reporter = asyncio.create_task(self._report_loop()) if directory is not None else None
         logger.info("engine %s ready: %s, max_model_len=%d, %d KV blocks of %d tokens%s", self.replica,
                     model, self.async_engine.max_model_len, self.async_engine.num_blocks, config.block_size,
-                    f", step loop in process {self.async_engine.core.pid}" if self.async_engine.core else "")
+                    f", step loop in process {self.async_engine.driver.pid}")
 
     def _check_alive(self) -> None:
         problem = self.async_engine.health_problem()
@@ -147,8 +137,7 @@ class EngineDeployment:
         return EngineReport(replica=self.replica, node_id=ray.get_runtime_context().get_node_id(),
                             max_model_len=self.async_engine.max_model_len,
                             healthy=self.async_engine.health_problem() is None,
-                            stats={**self.async_engine.snapshot(), **self.tracer.counters(),
-                                   **self.async_engine.loop_counters(),
+                            stats={**self.async_engine.snapshot(), **self.async_engine.loop_counters(),
                                    **self.transport.stats()},
                             report_interval_s=self.settings.report_interval_s)
 
@@ -193,11 +182,11 @@ class EngineDeployment:
         self.async_engine.arm_fault(kind, after_steps)
 
     def __del__(self) -> None:
-        """Serve's graceful shutdown: stop the engine core process, if any, before this one goes
-        (pending requests are aborted there; it would also stop on its own once this process is gone)."""
+        """Serve's graceful shutdown: stop the step loop before this process goes (pending requests
+        are aborted; a core process would also stop on its own once this process is gone)."""
         engine = getattr(self, "async_engine", None)
-        if engine is not None and engine.core is not None:
-            engine.core.shutdown(timeout=5.0)
+        if engine is not None:
+            engine.shutdown(timeout=5.0)
 
     def check_health(self) -> None:
         """Serve replaces the replica when this raises: the step loop died, or has had work and

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from stages.engine.driver.async_engine import AsyncEngine
+from stages.engine.driver.in_process import InProcessDriver
 from stages.engine.core.errors import EngineDeadError
 from stages.engine.driver.faults import FaultInjectionDisabledError, StepFaults
 from stages.errors import EngineUnavailableError
@@ -39,7 +40,7 @@ def test_fault_hook_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_injected_step_exception_fails_every_stream_and_kills_the_loop() -> None:
     async def main() -> tuple[list[BaseException], str | None, bool]:
         faults = StepFaults(enabled=True)
-        eng = AsyncEngine(make_engine(), faults=faults)
+        eng = AsyncEngine(InProcessDriver(make_engine(), faults=faults))
         # Armed before the requests start, to fire 20 working steps in: the fake runner steps in
         # microseconds, so arming on a consumer's first output raced the requests' own end (256
         # tokens' room), and both streams could finish cleanly first.

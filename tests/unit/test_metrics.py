@@ -11,6 +11,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stages.engine.driver.async_engine import AsyncEngine
+from stages.engine.driver.in_process import InProcessDriver
 from stages.metrics import STAGES, IngressMetrics, RequestRecord, render_app
 from stages.transport.messages import EngineReport, EngineRequest
 from tests.fakes import make_engine, params
@@ -265,7 +266,7 @@ def test_render_app_with_real_engine_snapshots() -> None:
     """Render what :meth:`AsyncEngine.snapshot` really returns after real (fake-model) requests."""
 
     async def run(replica: str, max_tokens: int) -> dict[str, Any]:
-        eng = AsyncEngine(make_engine(), replica=replica)
+        eng = AsyncEngine(InProcessDriver(make_engine(), replica=replica))
         eng.start()
         try:
             req = EngineRequest(f"{replica}-req", [5, 6, 7, 8, 9], params(max_tokens=max_tokens))

@@ -3,10 +3,10 @@
 Why: Ray starts every worker at nice 15, so the engine's step thread competes as an equal with
 each CPU stage (Serve's proxy, Ingress, Egress) and below the client and Ray's own daemons at
 nice 0. On a small machine those stages wake in a burst after every step (each step's tokens go
-out through them), and the step thread waits on the run queue meanwhile: measured at 32 streams on
-2 cores, 2.0-3.7 s of an 18 s run, i.e. every step ~15% later. The step thread is the one thread
-whose speed is everyone's throughput, so it runs at normal priority and the stages keep Ray's:
-they still get every core the engine does not use.
+out through them), and the step thread waits on the run queue meanwhile, so every step ends
+later (BENCHMARKS.md has the figures). The step thread is the one thread whose speed is
+everyone's throughput, so it runs at normal priority and the stages keep Ray's: they still get
+every core the engine does not use.
 
 Only where the engine leaves a core for everything else (its threads fewer than the machine's
 cores): on a one-core machine a busy engine would starve the stages that deliver its tokens.

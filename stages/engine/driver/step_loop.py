@@ -1,18 +1,20 @@
 """The loop that drives :class:`LLMEngine`: take adds and aborts, step, hand the outputs on.
 
-It owns all engine state and touches it from one thread only: ``add`` and ``abort`` are messages
-in an inbox drained at the top of every step, so an abort frees the request's blocks at the
-engine's next step. What it produces leaves through one callback, ``emit(kind, *args)``:
+It owns all engine state and touches it from one thread only: every message
+(:mod:`stages.engine.driver.messages`) goes into an inbox drained at the top of every step, so an
+abort frees the request's blocks at the engine's next step. What it produces leaves through one
+callback, ``emit(event)``: an :class:`Outputs` after every step that produced something (and a new
+request's acceptance), a :class:`Fail` for a request refused at admission or failed in a step, and
+one :class:`Dead` when the loop crashes.
 
-- ``("outputs", [EngineOutput, ...])`` after every step that produced something, and the
-  acceptance of a new request (an empty output naming the replica);
-- ``("fail", request_id, error)`` for a request refused at admission or failed in a step;
-- ``("dead", error)`` once, when the loop crashes.
+A structured-output grammar missing from the engine's cache is built on the grammar pool, never
+on this thread (a build can take seconds, and every request would wait for it); the add comes
+back to the inbox with its template. An abort that arrives meanwhile is kept and applied when it
+does: the add is dropped, and its stream gets a final ``abort`` item.
 
-The same loop runs on a thread of the replica (:class:`stages.engine.driver.async_engine.AsyncEngine`'s
-default: ``emit`` posts to the event loop) or alone in a child process
-(:mod:`stages.engine.driver.core_process`: ``emit`` writes to a pipe), so it knows neither asyncio nor
-the transport. No Ray, no asyncio imports.
+The same loop runs on a thread of the replica (:mod:`stages.engine.driver.in_process`) or alone in
+a child process (:mod:`stages.engine.driver.core_process`), so it knows neither asyncio nor how
+its events travel. No Ray, no asyncio imports.
 """
 
 from __future__ import annotations
@@ -21,16 +23,35 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stages.engine.core.engine import EngineStats, LLMEngine
-from stages.engine.core.errors import EngineError, EngineOverloadedError
+from stages.engine.core.errors import (
+    EngineDeadError,
+    EngineError,
+    EngineOverloadedError,
+    RequestRejectedError,
+)
 from stages.engine.driver.faults import StepFaults
+from stages.engine.driver.messages import (
+    Abort,
+    AddRequest,
+    ArmFault,
+    Dead,
+    Fail,
+    GrammarBuilt,
+    Kind,
+    LoopEvent,
+    LoopStatus,
+    Outputs,
+    ToLoop,
+)
 from stages.engine.driver.priority import raise_thread_priority
-from stages.transport.messages import EngineOutput, EngineRequest
+from stages.transport.messages import EngineOutput, GrammarSpec
+
+if TYPE_CHECKING:
+    from stages.engine.driver.tracing import EngineTracer
 
 logger = logging.getLogger(__name__)
 
@@ -64,75 +85,48 @@ class CumulativeHistogram:
         return out
 
 
-@dataclass
-class AddRequest:
-    """One choice of an API request, handed to the loop (a picklable message)."""
-
-    request_id: str
-    index: int
-    request: EngineRequest
-    params: Any
-    #: Choice 0 carries the group's size (checked against the waiting-queue bound); siblings 0.
-    admit: int
-    arrival: float
-    #: The structured-output matcher template, when the caller built it (same process only).
-    grammar_template: Any = None
-
-
-@dataclass
-class LoopStatus:
-    """What the loop publishes after every step: the engine's gauges plus the loop's counters."""
-
-    stats: EngineStats
-    rejected_overloaded: int = 0
-    abort_latency_counts: list[int] = field(default_factory=list)
-    abort_latency_sum: float = 0.0
-    #: Engine-side TTFTs (seconds) since the last status (the autoscaling signal).
-    new_ttfts: list[float] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-#: Callback invoked on the loop's thread after every step: (engine, step outputs, step seconds).
-StepHook = Callable[[LLMEngine, list[EngineOutput], float], None]
-Emit = Callable[..., None]
+Emit = Callable[[LoopEvent], None]
 
 
 class StepLoop:
-    """Runs ``engine`` until stopped; see the module docstring for what goes in and out."""
+    """Runs ``engine`` until stopped; see the module docstring for what goes in and out.
 
-    def __init__(self, engine: LLMEngine, emit: Emit, *, max_waiting: int = 256, replica: str = "",
-                 faults: StepFaults | None = None, thread_nice: int | None = None,
-                 step_hook: StepHook | None = None, build_grammar: Callable[[AddRequest], bool] | None = None,
-                 ) -> None:
+    ``tracer``, when given, gets every finished request (its spans are emitted where the loop
+    runs); its count is on the status as ``traced_requests``."""
+
+    def __init__(self, engine: LLMEngine, emit: Emit, *, max_waiting: int, replica: str, faults: StepFaults,
+                 thread_nice: int | None, tracer: EngineTracer | None = None) -> None:
         self.engine = engine
         self.emit = emit
         self.max_waiting = max_waiting
         self.replica = replica
         #: Test-only fault hook (:mod:`stages.engine.driver.faults`); off unless enabled.
-        self.faults = faults or StepFaults()
+        self.faults = faults
         #: Nice value for the loop's thread (:mod:`stages.engine.driver.priority`); ``None`` leaves it.
         self.thread_nice = thread_nice
-        self.step_hook = step_hook
-        #: Where an add whose grammar template is missing goes to be built off this thread; it
-        #: returns ``False`` when it did not take the add (then the engine rejects it).
-        self.build_grammar = build_grammar
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.tracer = tracer
+        if tracer is not None:
+            engine.on_finish = tracer.on_finish
+        self._inbox: queue.SimpleQueue[ToLoop] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
         self.dead: BaseException | None = None
         self.stats: EngineStats = engine.stats()
-        #: Monotonic time the step in progress began; ``None`` between steps.
-        self.step_started: float | None = None
+        #: Adds whose grammar is being built, and those of them aborted meanwhile (this thread only).
+        self._building: set[str] = set()
+        self._cancelled: set[str] = set()
         #: How long aborts took to free blocks, from the consumer leaving to the step that freed them.
-        self.abort_latencies: deque[float] = deque(maxlen=4096)
         self.abort_latency = CumulativeHistogram(ABORT_LATENCY_BUCKETS)
         self.rejected_overloaded = 0
+        self.step_started = None
+        self._handlers: dict[Kind, Callable[[Any], None]] = {
+            Kind.ADD: self._add, Kind.ABORT: self._abort, Kind.GRAMMAR_BUILT: self._grammar_built,
+            Kind.ARM_FAULT: self._arm_fault}
 
     # -- any thread -------------------------------------------------------------------------------
-    def send(self, kind: str, payload: Any) -> None:
-        """Queue ``("add", AddRequest)``, ``("abort", (request_id, asked_monotonic))`` or
-        ``("fault", (kind, after_steps))`` for the next step."""
-        self._inbox.put((kind, payload))
+    def send(self, message: ToLoop) -> None:
+        """Queue ``message`` for the next step."""
+        self._inbox.put(message)
         self._wake.set()
 
     def stop(self) -> None:
@@ -140,15 +134,30 @@ class StepLoop:
         self._wake.set()
         self.faults.release()
 
+    @property
+    def step_started(self) -> float | None:
+        """Monotonic time the step in progress began; ``None`` between steps."""
+        return self._step_started
+
+    @step_started.setter
+    def step_started(self, value: float | None) -> None:
+        self._step_started = value
+
     def status(self) -> LoopStatus:
-        """The latest gauges and counters (consumes the TTFTs gathered since the last call)."""
-        recent = self.engine.recent_ttfts
+        """The latest gauges and counters (``new_ttfts`` left empty: see :meth:`take_ttfts`)."""
+        counters = {"traced_requests": self.tracer.num_traced} if self.tracer is not None else {}
         return LoopStatus(self.stats, self.rejected_overloaded, list(self.abort_latency.counts),
-                          self.abort_latency.sum, [recent.popleft() for _ in range(len(recent))])
+                          self.abort_latency.sum, counters=counters)
+
+    def take_ttfts(self) -> list[float]:
+        """Engine-side TTFTs (seconds) of the requests that got their first token since the last
+        call, oldest first (the engine appends on this loop's thread; popping is thread-safe)."""
+        recent = self.engine.recent_ttfts
+        return [recent.popleft() for _ in range(len(recent))]
 
     # -- the loop's own thread --------------------------------------------------------------------
     def run(self) -> None:
-        """Step until :meth:`stop`; a crash is emitted as ``("dead", error)`` and ends the loop."""
+        """Step until :meth:`stop`; a crash is emitted as :class:`Dead` and ends the loop."""
         engine = self.engine
         if self.thread_nice is not None:
             # On the replica's log ("lifecycle.*" is what a replica writes at INFO).
@@ -164,22 +173,21 @@ class StepLoop:
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
-                self.step_started = t0 = time.monotonic()
+                self.step_started = time.monotonic()
                 self.faults.before_step()
                 outputs = engine.step()
-                self.step_started, now = None, time.monotonic()
+                self.step_started = None
                 self.stats = engine.stats()
                 if outputs:
-                    self.emit("outputs", outputs)
+                    self.emit(Outputs(outputs))
                 for rid, error in engine.take_failures():
-                    self.emit("fail", rid, error)
+                    self.emit(Fail(rid, error))
                 self.stepped()
-                if self.step_hook is not None:
-                    self.step_hook(engine, outputs, now - t0)
         except BaseException as exc:  # noqa: BLE001 - any crash makes the engine dead, loudly
             logger.exception("engine step loop died")
             self.dead = exc
-            self.emit("dead", exc)
+            # The text, not the exception: what crashed may not pickle, and every stream reads it.
+            self.emit(Dead(EngineDeadError(f"engine step loop died: {exc!r}")))
             return
         for rid in list(engine.requests):
             engine.abort(rid)
@@ -191,25 +199,23 @@ class StepLoop:
         """Called each time the loop finds no work, before it waits."""
 
     def _drain_inbox(self) -> None:
-        engine = self.engine
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                self._add(payload)
-            elif kind == "abort":
-                rid, asked = payload
-                if engine.abort(rid):
-                    # Blocks are free now; the latency runs from the consumer leaving to here.
-                    latency = time.monotonic() - asked
-                    self.abort_latencies.append(latency)
-                    self.abort_latency.observe(latency)
-            elif kind == "fault":
-                self.faults.arm(*payload)
-            elif kind == "reject":  # an add refused before it reached the engine (its grammar)
-                self.emit("fail", *payload)
+            self._handlers[message.kind](message)
+
+    def _arm_fault(self, arm: ArmFault) -> None:
+        self.faults.arm(arm.fault, arm.after_steps)
+
+    def _abort(self, abort: Abort) -> None:
+        rid = abort.request_id
+        if rid in self._building:
+            self._cancelled.add(rid)  # dropped when its grammar comes back
+        elif self.engine.abort(rid):
+            # Blocks are free now; the latency runs from the consumer leaving to here.
+            self.abort_latency.observe(time.monotonic() - abort.asked)
 
     def _add(self, add: AddRequest) -> None:
         """Runs on the loop's thread, so the queue check sees the scheduler's exact waiting count."""
@@ -217,8 +223,8 @@ class StepLoop:
         try:
             grammars = self.engine.grammars
             if (request.grammar is not None and add.grammar_template is None and grammars is not None
-                    and grammars.lookup(request.grammar) is None and self.build_grammar is not None
-                    and self.build_grammar(add)):
+                    and grammars.lookup(request.grammar) is None):
+                self._build_grammar(add, request.grammar)
                 return  # it comes back with its template, built off this thread
             waiting = len(self.engine.scheduler.waiting)
             if add.admit and waiting + add.admit > self.max_waiting:
@@ -232,7 +238,39 @@ class StepLoop:
             if add.index == 0:
                 # An empty first item says "accepted": callers can commit to a 200 response now and
                 # still report queue-full or invalid requests with their own status before it.
-                self.emit("outputs", [EngineOutput(add.request_id, [], num_prompt_tokens=req.num_prompt_tokens,
-                                                   index=0, replica=self.replica)])
+                self.emit(Outputs([EngineOutput(add.request_id, [], num_prompt_tokens=req.num_prompt_tokens,
+                                                index=0, replica=self.replica)]))
         except EngineError as exc:
-            self.emit("fail", add.request_id, exc)
+            self.emit(Fail(add.request_id, exc))
+
+    def _build_grammar(self, add: AddRequest, spec: GrammarSpec) -> None:
+        grammars = self.engine.grammars
+        self._building.add(add.request_id)
+
+        def build() -> None:
+            started = time.monotonic()
+            try:
+                add.grammar_template = grammars.build(spec)
+                if time.monotonic() - started > grammars.compile_timeout_s:
+                    raise RequestRejectedError(f"building the {spec.kind} grammar took longer "
+                                               f"than {grammars.compile_timeout_s:g} s")
+            except EngineError as exc:
+                self.send(GrammarBuilt(add, exc))
+            except Exception as exc:  # noqa: BLE001 - a broken grammar ends its request only
+                self.send(GrammarBuilt(add, RequestRejectedError(f"the grammar failed to build: {exc}")))
+            else:
+                self.send(GrammarBuilt(add))
+
+        grammars._pool.submit(build)
+
+    def _grammar_built(self, built: GrammarBuilt) -> None:
+        add = built.add
+        rid = add.request_id
+        self._building.discard(rid)
+        if rid in self._cancelled:
+            self._cancelled.discard(rid)
+            self.emit(Outputs([EngineOutput(rid, [], finish_reason="abort", index=add.index)]))
+        elif built.error is not None:
+            self.emit(Fail(rid, built.error))
+        else:
+            self._add(add)

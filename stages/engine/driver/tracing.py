@@ -24,9 +24,6 @@ class EngineTracer:
     def __init__(self) -> None:
         self.num_traced = 0
 
-    def counters(self) -> dict[str, Any]:
-        return {"traced_requests": self.num_traced}
-
     def on_finish(self, req: Request) -> None:
         carrier = req.trace
         if not carrier:
@@ -38,7 +35,7 @@ class EngineTracer:
             return mono_to_ns(mono, now_mono, now_ns)
 
         finished = req.last_event(EventType.FINISHED) or now_mono
-        attrs = {"lifecycle.request_id": req.request_id,
+        attrs: dict[str, Any] = {"lifecycle.request_id": req.request_id,
                  "gen_ai.request.max_tokens": req.params.max_tokens,
                  "gen_ai.usage.input_tokens": req.num_prompt_tokens,
                  "gen_ai.usage.output_tokens": req.num_output_tokens,

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from stages.engine.driver.async_engine import AsyncEngine
+from stages.engine.driver.in_process import InProcessDriver
 from stages.engine.core.engine import EngineConfig, LLMEngine
 from stages.engine.core.errors import RequestRejectedError
 from stages.engine.core.sampler import Sampler, SamplingContext
@@ -89,7 +90,7 @@ def _params(max_tokens: int = 120) -> SamplingParams:
 def _add(engine: LLMEngine, compiler: GrammarCompiler, rid: str, prompt: list[int], spec: StructuredOutputSpec,
          max_tokens: int = 120) -> None:
     grammar = compiler.compile_sync(spec)
-    engine.grammars.build(grammar)  # what AsyncEngine.prepare does on a worker thread
+    engine.grammars.build(grammar)  # what the step loop has done on the grammar pool
     engine.add_request(rid, prompt, _params(max_tokens), grammar=grammar)
 
 
@@ -194,7 +195,7 @@ def test_n_choices_have_their_own_matchers(tokenizer, vocab, compiler) -> None:
                             grammar=grammar)
 
     async def run() -> dict[int, tuple[list[int], str]]:
-        aeng = AsyncEngine(engine)
+        aeng = AsyncEngine(InProcessDriver(engine))
         aeng.start()
         out: dict[int, tuple[list[int], str]] = {}
         tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}

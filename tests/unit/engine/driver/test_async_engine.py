@@ -1,4 +1,5 @@
-"""The threaded step loop and its asyncio streams, with a fake model (no Ray, no torch model)."""
+"""The asyncio streams over the step loop on a thread (the in-process driver), with a fake model
+(no Ray, no torch model)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import time
 
 import pytest
 
-from stages.transport.channel import merge_outputs
-from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.core.errors import (
     DuplicateRequestIdError,
     EngineOverloadedError,
     RequestRejectedError,
     SamplingError,
 )
+from stages.engine.driver.async_engine import AsyncEngine
+from stages.engine.driver.in_process import InProcessDriver
+from stages.transport.channel import merge_outputs
 from stages.transport.messages import EngineOutput, EngineRequest
 from tests.fakes import make_engine, params, reference
 
@@ -38,13 +40,17 @@ def _engine(step_s: float = 0.0, **kw):
     return engine
 
 
+def _async(engine, *, stall_timeout_s: float = 60.0, **driver) -> AsyncEngine:
+    return AsyncEngine(InProcessDriver(engine, **driver), stall_timeout_s=stall_timeout_s)
+
+
 def run(coro):
     return asyncio.run(coro)
 
 
 def test_stream_matches_reference_and_first_item_is_acceptance():
     async def main():
-        eng = AsyncEngine(_engine(), replica="r0")
+        eng = _async(_engine(), replica="r0")
         eng.start()
         prompt = [5, 6, 7, 8, 9]
         items = [o async for outs in eng.generate(EngineRequest("a", prompt, params(max_tokens=6))) for o in outs]
@@ -69,7 +75,7 @@ def test_slow_consumer_gets_coalesced_items_fast_consumer_does_not():
         return sizes
 
     async def main():
-        eng = AsyncEngine(_engine(step_s=0.01))
+        eng = _async(_engine(step_s=0.01))
         eng.start()
         fast = await consume(eng, "fast", 0.0)
         slow = await consume(eng, "slow", 0.06)
@@ -86,7 +92,7 @@ def test_slow_consumer_gets_coalesced_items_fast_consumer_does_not():
 def test_leaving_early_aborts_and_frees_blocks():
     async def main():
         engine = _engine(step_s=0.005)
-        eng = AsyncEngine(engine)
+        eng = _async(engine)
         eng.start()
         gen = eng.generate(EngineRequest("gone", [1, 2, 3, 4], params(max_tokens=200)))
         async for (out,) in gen:
@@ -98,19 +104,19 @@ def test_leaving_early_aborts_and_frees_blocks():
                 break
             await asyncio.sleep(0.01)
         stats = eng.stats()
-        lat = list(eng.abort_latencies)
+        cancel = eng.cancellation_stats()
         eng.shutdown()
-        return stats, lat, engine
+        return stats, cancel, engine
 
-    stats, latencies, engine = run(main())
+    stats, cancel, engine = run(main())
     assert stats.finished_total["abort"] == 1
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert len(latencies) == 1 and latencies[0] < 1.0
+    assert dict(cancel["abort_latency_buckets"])["+Inf"] == 1 and 0 < cancel["abort_latency_sum"] < 1.0
 
 
 def test_queue_bound_and_invalid_requests_raise_engine_errors():
     async def main():
-        eng = AsyncEngine(_engine(step_s=0.02, max_num_seqs=1), max_waiting=1)
+        eng = _async(_engine(step_s=0.02, max_num_seqs=1), max_waiting=1)
         eng.start()
         with pytest.raises(RequestRejectedError):
             async for _ in eng.generate(EngineRequest("bad", [], params())):
@@ -159,7 +165,7 @@ def _collect(items: list[list[EngineOutput]]) -> tuple[dict[str, list[int]], dic
 def test_group_runs_every_choice_and_siblings_share_the_cached_prompt():
     async def main():
         engine = _engine(step_s=0.002)
-        eng = AsyncEngine(engine)
+        eng = _async(engine)
         eng.start()
         prompt = list(range(1, 21))  # 5 full blocks of 4
         items = [outs async for outs in eng.generate(EngineRequest("g", prompt, params(max_tokens=5), n=3))]
@@ -178,7 +184,7 @@ def test_group_runs_every_choice_and_siblings_share_the_cached_prompt():
 
 def test_abort_of_a_sibling_not_yet_started_ends_it_at_once():
     async def main():
-        eng = AsyncEngine(_engine(step_s=0.01))
+        eng = _async(_engine(step_s=0.01))
         eng.start()
         gen = eng.generate(EngineRequest("g", [1, 2, 3], params(max_tokens=30), n=2))
         first = await gen.__anext__()  # acceptance of choice 0; choice 1 is not added yet
@@ -195,7 +201,7 @@ def test_abort_of_a_sibling_not_yet_started_ends_it_at_once():
 def test_leaving_a_group_aborts_every_running_choice():
     async def main():
         engine = _engine(step_s=0.005)
-        eng = AsyncEngine(engine)
+        eng = _async(engine)
         eng.start()
         gen = eng.generate(EngineRequest("g", [1, 2, 3, 4], params(max_tokens=200), n=2))
         seen: set[int] = set()
@@ -218,7 +224,7 @@ def test_leaving_a_group_aborts_every_running_choice():
 
 def test_duplicate_live_id_raises_and_leaves_the_first_stream_alone():
     async def main():
-        eng = AsyncEngine(_engine(step_s=0.005))
+        eng = _async(_engine(step_s=0.005))
         eng.start()
         first = eng.generate(EngineRequest("same", [1, 2], params(max_tokens=6)))
         await first.__anext__()
@@ -235,7 +241,7 @@ def test_duplicate_live_id_raises_and_leaves_the_first_stream_alone():
 def test_queue_bound_is_exact_under_a_burst():
     """All adds of a burst reach the step thread together; exactly ``max_waiting`` may wait."""
     async def main():
-        eng = AsyncEngine(_engine(step_s=0.05, max_num_seqs=1), max_waiting=3)
+        eng = _async(_engine(step_s=0.05, max_num_seqs=1), max_waiting=3)
         eng.start()
         gens = [eng.generate(EngineRequest(f"b{i}", [1, 2], params(max_tokens=40))) for i in range(10)]
         results = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)
@@ -264,7 +270,7 @@ def test_health_problem_reports_a_stalled_or_dead_step_loop():
     async def main():
         engine = _engine()
         engine.runner = Stuck(engine.runner)
-        eng = AsyncEngine(engine, stall_timeout_s=0.2)
+        eng = _async(engine, stall_timeout_s=0.2)
         eng.start()
         assert eng.health_problem() is None  # idle is healthy
         gen = eng.generate(EngineRequest("s", [1, 2], params(max_tokens=3)))
@@ -308,7 +314,7 @@ def test_a_sampling_failure_fails_that_stream_only_and_the_engine_goes_on():
     async def main():
         engine = _engine()
         engine.runner = FailingSampler(engine.runner, after=3)
-        eng = AsyncEngine(engine, replica="r0")
+        eng = _async(engine, replica="r0")
         eng.start()
         # (Bounded: a failure nobody reports would leave "bad" waiting forever.)
         results = await asyncio.wait_for(asyncio.gather(consume(eng, "good", [1, 2, 3], 12),
@@ -335,7 +341,7 @@ def _sink_run(request: EngineRequest, *, step_s: float = 0.002, abort_after: int
         engine = _engine(step_s=step_s)
         if runner_wrap is not None:
             engine.runner = runner_wrap(engine.runner)
-        eng = AsyncEngine(engine, replica="r0")
+        eng = _async(engine, replica="r0")
         eng.start()
         sunk: list[list[EngineOutput]] = []
         loop_thread = []
@@ -403,7 +409,7 @@ def test_a_failure_after_the_first_item_ends_a_sink_stream_with_its_error():
 
 def test_a_sink_that_raises_fails_its_own_request_only():
     async def main():
-        eng = AsyncEngine(_engine(step_s=0.002))
+        eng = _async(_engine(step_s=0.002))
         eng.start()
 
         def bad_sink(items):

@@ -20,15 +20,18 @@ from typing import Any
 
 import pytest
 
-from stages.engine.driver.async_engine import AsyncEngine
-from stages.engine.driver.core_process import CoreProcess, CoreSpec
-from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.engine.core.engine import EngineConfig
 from stages.engine.core.errors import (
     EngineDeadError,
     EngineOverloadedError,
     PromptTooLongError,
     RequestRejectedError,
 )
+from stages.engine.driver.async_engine import AsyncEngine
+from stages.engine.driver.core_process import ChildProcessDriver
+from stages.engine.driver.in_process import InProcessDriver
+from stages.engine.driver.interface import build_driver
+from stages.engine.driver.messages import LoopSpec
 from stages.transport.messages import EngineRequest, SamplingParams, StructuredOutputSpec
 
 
@@ -81,9 +84,8 @@ def _start(loop: Loop, engine: AsyncEngine) -> AsyncEngine:
 
 @pytest.fixture(scope="module")
 def core(tiny_model: Path, loop: Loop) -> Iterator[AsyncEngine]:
-    engine = _start(loop, AsyncEngine(core=CoreProcess(CoreSpec(_config(tiny_model), max_waiting=16, replica="r-core",
-                                                                fault_injection=True)),
-                                      max_waiting=16, replica="r-core"))
+    engine = _start(loop, AsyncEngine(ChildProcessDriver(LoopSpec(_config(tiny_model), max_waiting=16, replica="r-core",
+                                                                  fault_injection=True))))
     yield engine
     engine.shutdown()
 
@@ -108,7 +110,7 @@ def _requests(tag: str) -> list[EngineRequest]:
 
 
 def test_a_child_process_gives_the_same_tokens_as_the_loop_on_a_thread(core, tiny_model, loop) -> None:
-    threaded = AsyncEngine(LLMEngine.from_config(_config(tiny_model)))
+    threaded = AsyncEngine(build_driver(LoopSpec(_config(tiny_model)), child_process=False))
 
     async def both() -> tuple[list[dict[int, list[int]]], list[dict[int, list[int]]]]:
         threaded.start()
@@ -122,7 +124,9 @@ def test_a_child_process_gives_the_same_tokens_as_the_loop_on_a_thread(core, tin
     on_thread, in_process = loop.run(both())
     assert in_process == on_thread
     assert [len(t[0]) for t in in_process] == [10, 14, 6, 9] and len(in_process[3]) == 2
-    assert core.replica == "r-core" and core.core.pid != os.getpid()
+    assert core.replica == "r-core" and core.driver.pid != os.getpid()
+    assert isinstance(threaded.driver, InProcessDriver) and threaded.driver.pid == os.getpid()
+    assert threaded.loop_counters() == {"traced_requests": 0}  # the tracer runs where the loop does
 
 
 def test_the_acceptance_names_the_replica_and_the_stats_come_from_the_child(core, loop) -> None:
@@ -187,8 +191,8 @@ def test_refusals_cross_the_process_with_their_type_and_fields(core, loop) -> No
 
 
 def test_a_grammar_is_built_in_the_child_off_its_step_thread(core, tiny_model, loop) -> None:
-    from stages.preprocess.grammar import GrammarCompiler
     from stages.model_info import load_cpu_tokenizer, model_info
+    from stages.preprocess.grammar import GrammarCompiler
 
     tok = load_cpu_tokenizer(str(tiny_model))
     info = model_info(str(tiny_model), tokenizer=tok)
@@ -220,7 +224,7 @@ def test_a_grammar_is_built_in_the_child_off_its_step_thread(core, tiny_model, l
 
 
 def test_a_hung_step_in_the_child_shows_as_a_stall(tiny_model, loop) -> None:
-    engine = _start(loop, AsyncEngine(core=CoreProcess(CoreSpec(_config(tiny_model), fault_injection=True)),
+    engine = _start(loop, AsyncEngine(ChildProcessDriver(LoopSpec(_config(tiny_model), fault_injection=True)),
                                       stall_timeout_s=0.5))
     try:
         engine.arm_fault("step_hang")
@@ -245,13 +249,13 @@ def test_a_hung_step_in_the_child_shows_as_a_stall(tiny_model, loop) -> None:
 
 
 def test_a_killed_child_fails_its_streams_and_the_health_check(tiny_model, loop) -> None:
-    engine = _start(loop, AsyncEngine(core=CoreProcess(CoreSpec(_config(tiny_model)))))
+    engine = _start(loop, AsyncEngine(ChildProcessDriver(LoopSpec(_config(tiny_model)))))
     try:
         async def run() -> BaseException:
             agen = engine.generate(EngineRequest("k", [1, 2, 3], _params(3000)))
             try:
                 async for _ in agen:
-                    os.kill(engine.core.pid, signal.SIGKILL)
+                    os.kill(engine.driver.pid, signal.SIGKILL)
             except EngineDeadError as exc:
                 return exc
             raise AssertionError("the stream ended without an error")
@@ -270,13 +274,14 @@ def test_the_child_dies_with_its_parent(tiny_model, tmp_path) -> None:
     script = textwrap.dedent(f"""
         import asyncio, pathlib, time
         from stages.engine.driver.async_engine import AsyncEngine
-        from stages.engine.driver.core_process import CoreProcess, CoreSpec
+        from stages.engine.driver.core_process import ChildProcessDriver
+        from stages.engine.driver.messages import LoopSpec
         from stages.engine.core.engine import EngineConfig
         config = EngineConfig(model={str(tiny_model)!r}, weights="float32", num_threads=1, kv_cache_memory_gb=0.02)
         async def main():
-            engine = AsyncEngine(core=CoreProcess(CoreSpec(config)))
+            engine = AsyncEngine(ChildProcessDriver(LoopSpec(config)))
             await asyncio.to_thread(engine.start, asyncio.get_running_loop())
-            pathlib.Path({str(pid_file)!r}).write_text(str(engine.core.pid))
+            pathlib.Path({str(pid_file)!r}).write_text(str(engine.driver.pid))
             await asyncio.sleep(600)
         asyncio.run(main())
     """)
@@ -318,9 +323,10 @@ def test_the_replica_side_never_imports_torch() -> None:
         import stages.engine.deployment, stages.engine.driver.tracing
         from stages.config import EngineSettings
         from stages.engine.driver.async_engine import AsyncEngine
-        from stages.engine.driver.core_process import CoreProcess, CoreSpec
+        from stages.engine.driver.interface import build_driver
+        from stages.engine.driver.messages import LoopSpec
         config = EngineSettings().to_engine_config("embedded:smollm2-135m-instruct", resolve_device=False)
-        AsyncEngine(core=CoreProcess(CoreSpec(config)))
+        AsyncEngine(build_driver(LoopSpec(config), child_process=True))
         print(config.device, "torch" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,

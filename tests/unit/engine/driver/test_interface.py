@@ -1,0 +1,35 @@
+"""Both drivers offer everything AsyncEngine uses, so it never needs to know which it has."""
+
+from __future__ import annotations
+
+from stages.engine.core.engine import EngineConfig
+from stages.engine.driver.core_process import ChildProcessDriver
+from stages.engine.driver.in_process import InProcessDriver
+from stages.engine.driver.interface import Driver
+from stages.engine.driver.messages import LoopSpec
+from tests.fakes import make_engine
+
+
+def _members() -> set[str]:
+    """What the protocol declares: its annotated attributes, methods and properties."""
+    return {*Driver.__annotations__, *(n for n in vars(Driver) if not n.startswith("_"))}
+
+
+def test_both_drivers_are_drivers_and_own_the_loop_settings() -> None:
+    in_process = InProcessDriver(make_engine(), max_waiting=7, replica="r1")
+    child = ChildProcessDriver(LoopSpec(EngineConfig(model="m", device="cpu"), max_waiting=9, replica="r2"))
+    try:
+        for driver, waiting, replica in ((in_process, 7, "r1"), (child, 9, "r2")):
+            missing = {n for n in _members() if not hasattr(type(driver), n) and n not in vars(driver)}
+            assert not missing, (type(driver).__name__, missing)
+            assert (driver.max_waiting, driver.replica) == (waiting, replica)
+            assert driver.dead is None and not driver.alive() and driver.step_started() is None
+    finally:
+        child.shutdown()  # never started: only its shared slot to close
+        in_process.shutdown()
+
+
+def test_the_in_process_driver_takes_its_defaults_from_the_loop_spec() -> None:
+    driver = InProcessDriver(make_engine())
+    assert (driver.max_waiting, driver.replica, driver.loop.thread_nice) == (
+        LoopSpec.max_waiting, LoopSpec.replica, LoopSpec.thread_nice)
