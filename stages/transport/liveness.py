@@ -1,18 +1,17 @@
 """Ending the work of a caller that died: no zombie streams when a replica is killed.
 
-Why: a streamed handle call does not end when the *calling* replica's process dies. Serve carries
-a caller's cancellation (client left, stream closed) into the callee as ``CancelledError``, but a
-caller killed by a signal (the OOM killer) cancels nothing, and the callee's generator runs to its
-end. Measured before this module: with the Egress replica SIGKILLed under 8 streams of 400 tokens,
-the engine went on decoding all 8 for ~50 s (every batch slot taken), and a new request waited 54 s.
+Why: a request does not end when the replica that sent it dies. A caller that gives up ends its
+requests explicitly, but a caller killed by a signal (the OOM killer) ends nothing, and the
+producer would run its requests to ``max_tokens`` for nobody, holding batch slots and KV blocks.
 
-How: every stream names its consumer, the Ray actor name of the replica that reads it
+How: every request names its consumer, the Ray actor name of the replica that reads it
 (:func:`own_actor_name`; ``GenerationJob.consumer`` for Ingress → Egress, ``EngineRequest.consumer``
-for Egress → Engine). :class:`ConsumerWatch` keeps the open streams per consumer and, every
+for Egress → Engine). :class:`ConsumerWatch` keeps the open requests per consumer and, every
 ``period_s`` while any are open, asks Ray's GCS whether each consumer still exists
 (``ray.get_actor``: a dead replica's name is released, Serve never restarts an actor in place). The
-streams of a consumer that is gone are ended the normal way, through ``on_gone`` (an abort by id in
-the engine, closing the engine stream in Egress), so every ``finally`` runs and blocks are freed.
+requests of a consumer that is gone are ended the normal way, through ``on_gone`` (their tasks are
+cancelled: an abort by id in the engine, closing the engine call in Egress), so every ``finally``
+runs and blocks are freed.
 
 :class:`ConsumerWatch` takes the liveness check as a function, so it is tested without Ray.
 """

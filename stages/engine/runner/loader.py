@@ -176,7 +176,7 @@ def quantized_weights(weights: str, model: str, args: Any, state: dict[str, Any]
     return linears, head
 
 
-#: LM head format per weight format with torch's kernels (measured: see BENCHMARKS.md, "Engine speed").
+#: LM head format per weight format with torch's kernels (the faster of the two on CPU).
 LM_HEAD_DEFAULT = {"int4": "int8", "int8": "int8"}
 
 
