@@ -118,7 +118,7 @@ def test_a_directory_that_does_not_answer_keeps_the_last_known_length(reference:
     class SilentDirectory:
         max_model_len = _Call(lambda: asyncio.sleep(3600))
 
-    from stages.preprocess.preprocessor import preprocessor
+    from stages.preprocess import preprocessor as preprocess
 
     prep = Prep(FakeStage(reference), EMBEDDED_MODEL, 0, SilentDirectory(), LIMIT)
     saved, preprocess.LIMIT_TIMEOUT_S = preprocess.LIMIT_TIMEOUT_S, 0.05

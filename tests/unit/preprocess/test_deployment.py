@@ -15,7 +15,8 @@ import pytest
 
 from stages.transport.chunking import join_reply
 from stages.model_info import EMBEDDED_MODEL
-from stages.preprocess.preprocessor import INLINE_MAX_INPUT, PreprocessDeployment, input_size
+from stages.preprocess.deployment import INLINE_MAX_INPUT, PreprocessDeployment
+from stages.preprocess.preprocessor import input_size
 from stages.transport.messages import PreprocessRequest, SamplingParams
 from stages.tokenizer import GIL_FREE_ENCODE_CHARS
 
