@@ -196,6 +196,7 @@ def bench_throughput(rounds: int, streams: int, max_tokens: int) -> dict[str, An
     from stages.engine.core.engine import EngineConfig, LLMEngine
     from stages.preprocess.grammar import GrammarCompiler
     from stages.preprocess.preprocessor import Preprocessor
+    from stages.api.max_tokens import MaxTokens
     from stages.transport.messages import PreprocessRequest, SamplingParams, StructuredOutputSpec
 
     engine = LLMEngine.from_config(EngineConfig(max_num_seqs=streams, kv_cache_memory_gb=0.5,
@@ -209,7 +210,7 @@ def bench_throughput(rounds: int, streams: int, max_tokens: int) -> dict[str, An
     grammar = compiler.compile_sync(StructuredOutputSpec("json_schema", json.dumps(schema)))
     engine.grammars.build(grammar)
     prompts = [pre.process(PreprocessRequest(
-        f"p{i}", SamplingParams(), None, messages=[{"role": "user", "content": f"Tell story number {i}."}]
+        f"p{i}", SamplingParams(), MaxTokens(), messages=[{"role": "user", "content": f"Tell story number {i}."}]
     )).prompt_token_ids for i in range(streams)]
     results: dict[str, list[float]] = {"none": [], "constrained": []}
     shares: list[float] = []

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from stages.errors import InvalidRequestError
 from stages.api.fields import StructuredFields, ToolFields, reject_unsupported
+from stages.api.max_tokens import UNRESOLVED, MaxTokens
 from stages.transport.messages import MAX_TOP_LOGPROBS, SamplingParams
 
 #: Largest ``n`` accepted; every choice is a full sequence in the engine.
@@ -155,6 +156,12 @@ class _RequestBase(_Base, StructuredFields):
     def requested_max_tokens(self) -> int | None:
         """``max_completion_tokens`` if given, else ``max_tokens``; ``None`` = up to the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def max_tokens_rule(self, limit: int) -> MaxTokens:
+        """This request's output-length ask under the operator's ``limit`` (0: none), resolved
+        once the prompt's length is known (:mod:`stages.api.max_tokens`)."""
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return MaxTokens(self.requested_max_tokens, field, limit)
 
     @property
     def include_usage(self) -> bool:
@@ -302,21 +309,19 @@ def parse_request(model_cls: type[_M], body: bytes) -> _M:
         raise _to_invalid_request(e) from None
 
 
-def to_sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int
-) -> SamplingParams:
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     """Map a chat or text completion request onto engine :class:`SamplingParams`.
 
-    ``default_max_tokens`` is used when the client set neither ``max_completion_tokens`` nor
-    ``max_tokens`` (the caller passes the room left in the context window).
+    Everything but ``max_tokens``, which needs the prompt's length: it is left at
+    :data:`~stages.api.max_tokens.UNRESOLVED` until Preprocess resolves the request's
+    :meth:`~_RequestBase.max_tokens_rule` (the engine refuses a request that skipped that).
     """
     if isinstance(req, ChatCompletionRequest):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
     else:
         logprobs = req.logprobs
-    max_tokens = req.requested_max_tokens
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        max_tokens=UNRESOLVED,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=max(req.top_k, 0),  # -1 (vLLM's "off") becomes our 0

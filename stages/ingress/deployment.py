@@ -44,7 +44,6 @@ from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
 from stages.ingress.dispatch import EgressDispatch
 from stages.ingress.http_errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
-from stages.ingress.limits import cap_max_tokens, check_max_tokens
 from stages.api.openapi import build_openapi
 from stages.ingress.prep import Prep
 from stages.ingress.sse import relay, sse_response
@@ -221,22 +220,23 @@ class Ingress:
             cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
             req = parse_request(cls, await self._read_body(request))
             self._check_model(req.model)
-            check_max_tokens(req, self.cfg.http.max_tokens_limit)
+            max_tokens = req.max_tokens_rule(self.cfg.http.max_tokens_limit)
+            max_tokens.check()  # before any templating: the part of the rule that needs no prompt
             span.set_attributes({"gen_ai.request.model": req.model,
                                  "gen_ai.operation.name": "chat" if kind == "chat" else "text_completion",
                                  "gen_ai.request.max_tokens": req.requested_max_tokens or 0,
                                  "http.request.method": "POST", "lifecycle.stream": req.stream})
             pre = PreprocessRequest(
                 request_id=live.request_id,
-                sampling_params=to_sampling_params(req, default_max_tokens=1),
-                requested_max_tokens=req.requested_max_tokens,
+                sampling_params=to_sampling_params(req),
+                max_tokens=max_tokens,
                 messages=messages_to_dicts(req) if kind == "chat" else None,
                 prompt=None if kind == "chat" else req.prompt,
                 trace_context=inject(span),
                 n=req.n,
                 **preprocess_fields(req),  # structured outputs, tools, bad_words
             )
-            engine_request = cap_max_tokens(await self.prep.process(pre), self.cfg.http.max_tokens_limit)
+            engine_request = await self.prep.process(pre)
             live.prep = time.perf_counter() - t_arrival
             self.metrics.observe_grammar(engine_request.upstream_timings)
             live.prompt_text = engine_request.prompt_text

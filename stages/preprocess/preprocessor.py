@@ -15,7 +15,7 @@ import dataclasses
 import time
 from typing import Any
 
-from stages.errors import ContextLengthExceededError, InvalidRequestError
+from stages.errors import InvalidRequestError
 from stages.preprocess.grammar import GrammarCompiler
 from stages.model_info import load_cpu_tokenizer, model_info
 from stages.transport.messages import EngineRequest, PreprocessRequest
@@ -55,7 +55,7 @@ class Preprocessor:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def process(self, req: PreprocessRequest) -> EngineRequest:
-        """Template, tokenise, check lengths and resolve ``max_tokens``."""
+        """Template, tokenise, check lengths and resolve ``max_tokens`` (:mod:`stages.api.max_tokens`)."""
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         if req.messages is not None:
@@ -77,13 +77,9 @@ class Preprocessor:
         timings["tokenize"] = time.perf_counter() - t1
         if not token_ids:
             raise InvalidRequestError("the prompt is empty after tokenisation", param="prompt")
-        n = len(token_ids)
-        room = self.max_model_len - n
-        max_tokens = req.requested_max_tokens
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise ContextLengthExceededError(n, max_tokens, self.max_model_len,
-                                             param="messages" if req.messages is not None else "prompt")
-        params = dataclasses.replace(req.sampling_params, max_tokens=max_tokens if max_tokens is not None else room,
+        max_tokens = req.max_tokens.resolve(len(token_ids), self.max_model_len,
+                                            prompt_param="messages" if req.messages is not None else "prompt")
+        params = dataclasses.replace(req.sampling_params, max_tokens=max_tokens,
                                      bad_words_token_ids=self._bad_words(req.bad_words))
         self._check_token_ids(params)
         return EngineRequest(request_id=req.request_id, prompt_token_ids=token_ids, sampling_params=params,

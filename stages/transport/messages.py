@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.api.max_tokens import MaxTokens
+
 #: Maximum ``top_logprobs`` the sampler returns (the OpenAI API allows 20).
 MAX_TOP_LOGPROBS = 20
 
@@ -261,14 +263,14 @@ class ChannelBatch:
 class PreprocessRequest:
     """A validated API request on its way from Ingress to Preprocess.
 
-    Exactly one of ``messages`` (chat) or ``prompt`` (text or token ids) is set.
-    ``requested_max_tokens`` is ``None`` when the client left it open: Preprocess fills in the room
-    left in the context window.
+    Exactly one of ``messages`` (chat) or ``prompt`` (text or token ids) is set. Preprocess sets
+    ``sampling_params.max_tokens`` from ``max_tokens`` once the prompt's length is known
+    (:meth:`MaxTokens.resolve`).
     """
 
     request_id: str
     sampling_params: SamplingParams
-    requested_max_tokens: int | None
+    max_tokens: MaxTokens
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     add_generation_prompt: bool = True
