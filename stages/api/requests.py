@@ -27,12 +27,13 @@ Every validation failure surfaces from :func:`parse_request` as an
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from stages.errors import InvalidRequestError
 from stages.api.fields import StructuredFields, ToolFields, reject_unsupported
+from stages.api.kinds import ApiKind
 from stages.api.max_tokens import UNRESOLVED, MaxTokens
 from stages.transport.messages import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -116,8 +117,10 @@ class ChatMessage(_Base):
 
 
 class _RequestBase(_Base, StructuredFields):
-    """Sampling and streaming fields shared by chat and text completions."""
+    """Sampling and streaming fields shared by chat and text completions. Each subclass is one
+    API: its :attr:`kind` picks the response renderer (:func:`stages.api.render.renderer`)."""
 
+    kind: ClassVar[ApiKind]
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -172,9 +175,21 @@ class _RequestBase(_Base, StructuredFields):
 class ChatCompletionRequest(_RequestBase, ToolFields):
     """Body of ``POST /v1/chat/completions``."""
 
+    kind = ApiKind.CHAT
+    #: Chat never echoes the prompt (the field is a text completions one).
+    echo: ClassVar[bool] = False
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """``SamplingParams.logprobs``: ``None`` for none, else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_input(self) -> dict[str, Any]:
+        """The ``PreprocessRequest`` field holding what the model is prompted with."""
+        return {"messages": messages_to_dicts(self)}
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -187,10 +202,20 @@ class ChatCompletionRequest(_RequestBase, ToolFields):
 class CompletionRequest(_RequestBase):
     """Body of ``POST /v1/completions``. ``prompt`` is normalised to a string or token ids."""
 
+    kind = ApiKind.COMPLETION
     prompt: str | list[int]
     #: Number of alternatives per token (OpenAI allows 5; we allow up to 20).
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """``SamplingParams.logprobs``: ``None`` for none, else how many alternatives per token."""
+        return self.logprobs
+
+    def prompt_input(self) -> dict[str, Any]:
+        """The ``PreprocessRequest`` field holding what the model is prompted with."""
+        return {"prompt": self.prompt}
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -316,10 +341,6 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> Sampli
     :data:`~stages.api.max_tokens.UNRESOLVED` until Preprocess resolves the request's
     :meth:`~_RequestBase.max_tokens_rule` (the engine refuses a request that skipped that).
     """
-    if isinstance(req, ChatCompletionRequest):
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
     return SamplingParams(
         max_tokens=UNRESOLVED,
         temperature=req.temperature,
@@ -333,7 +354,7 @@ def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> Sampli
         stop=list(req.stop),
         stop_token_ids=list(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
+        logprobs=req.logprobs_asked,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=req.logit_bias_ids(),

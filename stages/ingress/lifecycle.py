@@ -27,6 +27,8 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.api.kinds import ApiKind
+from stages.api.render import renderer
 from stages.transport.messages import AbortRequest, LiveEntry, StreamStart
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -42,17 +44,12 @@ def _being_cancelled() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def response_id(kind: str, request_id: str) -> str:
-    """The OpenAI response ``id`` of a request."""
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
-
-
 @dataclass
 class LiveRequest:
     """Per-request state owned by Ingress: ids, clocks (this process only), span, outcome."""
 
     request_id: str
-    kind: str
+    kind: ApiKind
     span: Any
     client_request_id: str | None = None
     api_key_id: str | None = None
@@ -80,7 +77,7 @@ class LiveRequest:
 
     @property
     def response_id(self) -> str:
-        return response_id(self.kind, self.request_id)
+        return renderer(self.kind).response_id(self.request_id)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -156,7 +153,7 @@ class Lifecycle:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- open / start / close ------------------------------------------------------------------------
-    def open(self, kind: str, span: Any, *, client_request_id: str | None = None, api_key_id: str | None = None,
+    def open(self, kind: ApiKind, span: Any, *, client_request_id: str | None = None, api_key_id: str | None = None,
              t0: float | None = None) -> LiveRequest:
         """Mint an id and register a new request (in the directory too, batched)."""
         live = LiveRequest(mint_request_id(), kind, span, client_request_id, api_key_id)

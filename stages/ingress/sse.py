@@ -32,7 +32,7 @@ from stages.errors import EngineUnavailableError, InternalServerError, RequestTi
 from stages.ingress.backpressure import StreamBuffer
 from stages.ingress.http_errors import to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest
-from stages.api.render import SSE_HEADERS, SSE_KEEPALIVE, final_stream_chunk, sse_event, usage
+from stages.api.render import SSE_HEADERS, SSE_KEEPALIVE, renderer, sse_event, usage
 from stages.transport.messages import GenerationJob, StreamFrame, StreamStart, StreamSummary
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -175,8 +175,9 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
                         parts = timings(live, item)
                         usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
                                       if job.include_usage else None)
-                        emit(sse_event(final_stream_chunk(job.kind, job.response_id, job.created, job.model_name,
-                                                          usage_body, parts), events))
+                        emit(sse_event(renderer(job.kind).final_stream_chunk(job.response_id, job.created,
+                                                                             job.model_name, usage_body, parts),
+                                       events))
                         emit(sse_event("[DONE]", events + 1))
                         buffer.close()
                         lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", item, parts)

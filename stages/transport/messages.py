@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.api.kinds import ApiKind
 from stages.api.max_tokens import MaxTokens
 
 #: Maximum ``top_logprobs`` the sampler returns (the OpenAI API allows 20).
@@ -292,7 +293,8 @@ class GenerationJob:
     """What Egress needs to run one API request: the engine request and the response shape."""
 
     engine_request: EngineRequest
-    kind: str  # "chat" or "completion"
+    #: Which API answers (its renderer, :func:`stages.api.render.renderer`, shapes the output).
+    kind: ApiKind
     model_name: str
     response_id: str
     created: int
