@@ -43,7 +43,7 @@ from stages.errors import (
 from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
 from stages.ingress.dispatch import EgressDispatch
 from stages.ingress.http_errors import error_response, to_serve_error
-from stages.ingress.lifecycle import Lifecycle, LiveRequest
+from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
 from stages.api.openapi import build_openapi
 from stages.ingress.prep import Prep
 from stages.ingress.sse import relay, sse_response
@@ -256,11 +256,11 @@ class Ingress:
             if gen is not None:  # started: ending it is cancelling it (before that, dispatch undid it)
                 gen.cancel()
             if isinstance(exc, asyncio.CancelledError):
-                self.lifecycle.close(live, "client_gone")
+                self.lifecycle.close(live, Outcome.CLIENT_GONE)
                 raise
             err = to_serve_error(RequestTimeoutError() if isinstance(exc, TimeoutError) else exc)
             live.status = err.status_code
-            self.lifecycle.close(live, "timeout" if isinstance(err, RequestTimeoutError) else "error")
+            self.lifecycle.close(live, Outcome.TIMEOUT if isinstance(err, RequestTimeoutError) else Outcome.ERROR)
             return error_response(err, headers=self._id_headers(live))
 
     def _id_headers(self, live: LiveRequest) -> dict[str, str]:
@@ -275,7 +275,7 @@ class Ingress:
         timings = self._timings(live, summary)
         body = summary.body
         body[TIMING_FIELD] = timings
-        self.lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", summary, timings)
+        self.lifecycle.close(live, Outcome.CANCELLED if live.cancel_requested else Outcome.OK, summary, timings)
         headers = {**self._id_headers(live), "Server-Timing": server_timing_header(timings)}
         return JSONResponse(body, headers=headers)
 
@@ -305,7 +305,7 @@ class Ingress:
 
     def _on_close(self, live: LiveRequest, summary: StreamSummary | None, timings: dict[str, float] | None) -> None:
         span = live.span
-        if live.outcome == "slow_reader":
+        if live.outcome == Outcome.SLOW_READER:
             self.metrics.observe_slow_reader()
         if summary is not None:
             if span.is_recording():

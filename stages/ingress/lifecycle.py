@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from stages.api.kinds import ApiKind
@@ -32,6 +33,25 @@ from stages.api.render import renderer
 from stages.transport.messages import AbortRequest, LiveEntry, StreamStart
 
 logger = logging.getLogger("lifecycle.ingress")
+
+
+class Outcome(StrEnum):
+    """How a request ended: its log line's ``outcome``, and for a request that ended without its
+    answer, the ``reason`` label of ``request_aborted_total``. A ``str`` enum, so both read exactly
+    as these values."""
+
+    #: Answered in full.
+    OK = "ok"
+    #: Answered, but ended early by a cancel by id (the choices finish with ``"abort"``).
+    CANCELLED = "cancelled"
+    #: The client disconnected before the answer was complete.
+    CLIENT_GONE = "client_gone"
+    #: ``http.request_timeout_s`` passed.
+    TIMEOUT = "timeout"
+    #: A streaming client stopped reading and its buffer filled (:class:`~stages.errors.SlowReaderError`).
+    SLOW_READER = "slow_reader"
+    #: Any other error (its HTTP status is in ``LiveRequest.status``).
+    ERROR = "error"
 
 
 def mint_request_id() -> str:
@@ -65,7 +85,7 @@ class LiveRequest:
     first_flush: float | None = None
     last_token_at: float | None = None
     itls: list[float] = field(default_factory=list)
-    outcome: str = "ok"
+    outcome: Outcome = Outcome.OK
     status: int = 200
     #: Where the engine runs it; set once the engine accepted the request.
     engine_replica: str | None = None
@@ -171,7 +191,7 @@ class Lifecycle:
         if live.cancel_requested:
             self._send_abort(live)
 
-    def close(self, live: LiveRequest, outcome: str | None = None, summary: Any = None,
+    def close(self, live: LiveRequest, outcome: Outcome | None = None, summary: Any = None,
               timings: dict[str, float] | None = None) -> bool:
         """End the request's life here: exactly once, whatever called it. Returns False when it
         had already been closed."""

@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 from stages.errors import EngineUnavailableError, InternalServerError, RequestTimeoutError, SlowReaderError
 from stages.ingress.backpressure import StreamBuffer
 from stages.ingress.http_errors import to_serve_error
-from stages.ingress.lifecycle import Lifecycle, LiveRequest
+from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
 from stages.api.render import SSE_HEADERS, SSE_KEEPALIVE, renderer, sse_event, usage
 from stages.transport.messages import GenerationJob, StreamFrame, StreamStart, StreamSummary
 
@@ -180,10 +180,10 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
                                        events))
                         emit(sse_event("[DONE]", events + 1))
                         buffer.close()
-                        lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", item, parts)
+                        lifecycle.close(live, Outcome.CANCELLED if live.cancel_requested else Outcome.OK, item, parts)
                         return
         except asyncio.CancelledError:
-            live.outcome = "client_gone"
+            live.outcome = Outcome.CLIENT_GONE
             raise
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in-band, then end
             gen.cancel()  # abort in the engine now, not when the client has taken the error
@@ -192,10 +192,10 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
             buffer.replace([sse_event(err.to_dict(), events).encode(), sse_event("[DONE]", events + 1).encode()])
             if isinstance(err, SlowReaderError):
                 logger.warning("request %s aborted: %s", live.request_id, err.message)
-                lifecycle.close(live, "slow_reader")
+                lifecycle.close(live, Outcome.SLOW_READER)
                 response.close_after(slow_reader_grace_s)
             else:
-                live.outcome = "timeout" if isinstance(err, RequestTimeoutError) else "error"
+                live.outcome = Outcome.TIMEOUT if isinstance(err, RequestTimeoutError) else Outcome.ERROR
         finally:
             buffer.close()
 
@@ -209,7 +209,7 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
                     live.mark_flushed()  # resumed: Starlette's send of the first token's frame returned
                 buffer.mark_sent()
         except (asyncio.CancelledError, GeneratorExit):
-            live.outcome = "client_gone" if live.outcome == "ok" else live.outcome
+            live.outcome = Outcome.CLIENT_GONE if live.outcome == Outcome.OK else live.outcome
             raise
         finally:
             if not reader.done():
@@ -219,7 +219,7 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
     def on_close() -> None:
         if not live.closed:
             gen.cancel()  # Ray Serve carries this to Egress and on to the engine: abort
-            lifecycle.close(live, "client_gone" if live.outcome == "ok" else None)
+            lifecycle.close(live, Outcome.CLIENT_GONE if live.outcome == Outcome.OK else None)
 
     response = ClosingStreamingResponse(body(), on_close, media_type="text/event-stream",
                                         headers={**SSE_HEADERS, **(headers or {})})
