@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from importlib.metadata import version as package_version
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -78,7 +79,8 @@ logger = logging.getLogger("lifecycle.ingress")
 #: One JSON line per finished request (stderr with the rest; optionally also a file).
 request_log = logging.getLogger("lifecycle.requests")
 
-VERSION = "0.2.0"
+#: The package's own version (``pyproject.toml``), as installed; ``/version`` and the OpenAPI spec show it.
+VERSION = package_version("lifecycle-serve")
 #: Response header carrying the server-minted request id (the response ``id`` holds it too).
 SERVER_ID_HEADER = "X-Server-Request-Id"
 MAX_REQUEST_ID_LEN = 128

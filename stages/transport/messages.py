@@ -70,11 +70,6 @@ class SamplingParams:
         return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
 
 
-#: Structured-output kinds a client can ask for (``response_format``, ``structured_outputs``,
-#: the legacy ``guided_*`` fields, and tool calls forced by ``tool_choice``).
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
-
-
 @dataclass
 class StructuredOutputSpec:
     """What the client asked the output to match, before compilation (Ingress → Preprocess).
