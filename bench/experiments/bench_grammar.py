@@ -193,10 +193,10 @@ def bench_mask(tokenizer: Any, vocab: int, eos: list[int], steps: int = 40) -> d
 
 def bench_throughput(rounds: int, streams: int, max_tokens: int) -> dict[str, Any]:
     """Decode tokens/s of ``streams`` concurrent requests, all constrained vs none, alternating."""
+    from stages.api.max_tokens import MaxTokens
     from stages.engine.core.engine import EngineConfig, LLMEngine
     from stages.preprocess.grammar import GrammarCompiler
     from stages.preprocess.preprocessor import Preprocessor
-    from stages.api.max_tokens import MaxTokens
     from stages.transport.messages import PreprocessRequest, SamplingParams, StructuredOutputSpec
 
     engine = LLMEngine.from_config(EngineConfig(max_num_seqs=streams, kv_cache_memory_gb=0.5,

@@ -31,10 +31,10 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from stages.errors import InvalidRequestError
 from stages.api.fields import StructuredFields, ToolFields, reject_unsupported
 from stages.api.kinds import ApiKind
 from stages.api.max_tokens import UNRESOLVED, MaxTokens
+from stages.errors import InvalidRequestError
 from stages.transport.messages import MAX_TOP_LOGPROBS, SamplingParams
 
 #: Largest ``n`` accepted; every choice is a full sequence in the engine.

@@ -36,12 +36,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.api.render import LogprobFormatter, renderer, sse_event, usage
+from stages.api.tool_calls import ToolCallStreamParser, parse_tool_calls
 from stages.egress.detokenizer import IncrementalDetokenizer
 from stages.engine.core.errors import EngineOverloadedError
 from stages.errors import EngineUnavailableError, unwrap_error
-from stages.api.render import LogprobFormatter, renderer, sse_event, usage
-from stages.transport.messages import AbortRequest, EngineOutput, GenerationJob, StreamFrame, StreamStart, StreamSummary
-from stages.api.tool_calls import ToolCallStreamParser, parse_tool_calls
+from stages.transport.messages import (
+    AbortRequest,
+    EngineOutput,
+    GenerationJob,
+    StreamFrame,
+    StreamStart,
+    StreamSummary,
+)
 
 
 class EngineStream:

@@ -16,7 +16,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stages.preprocess.preprocessor import ContextLimit, Preprocessor, annotate_prepared, needs_stage, preprocess_span
+from stages.preprocess.preprocessor import (
+    ContextLimit,
+    Preprocessor,
+    annotate_prepared,
+    needs_stage,
+    preprocess_span,
+)
 from stages.transport.messages import EngineRequest, PreprocessRequest
 
 

@@ -15,12 +15,12 @@ import dataclasses
 import time
 from typing import Any
 
-from stages.errors import InvalidRequestError
-from stages.preprocess.grammar import GrammarCompiler
-from stages.model_info import load_cpu_tokenizer, model_info
-from stages.transport.messages import EngineRequest, PreprocessRequest
-from stages.telemetry import get_tracer, span_from_context
 from stages.api.tool_calls import forcing_grammar, template_supports_tools
+from stages.errors import InvalidRequestError
+from stages.model_info import load_cpu_tokenizer, model_info
+from stages.preprocess.grammar import GrammarCompiler
+from stages.telemetry import get_tracer, span_from_context
+from stages.transport.messages import EngineRequest, PreprocessRequest
 
 
 class Preprocessor:

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from stages.errors import InvalidRequestError
 from stages.api.max_tokens import UNRESOLVED, MaxTokens
 from stages.api.requests import (
     ChatCompletionRequest,
@@ -18,6 +17,7 @@ from stages.api.requests import (
     parse_request,
     to_sampling_params,
 )
+from stages.errors import InvalidRequestError
 from stages.transport.messages import SamplingParams
 
 MSGS = [{"role": "user", "content": "hi"}]

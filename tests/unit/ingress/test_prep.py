@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from stages.errors import ContextLengthExceededError
 from stages.api.max_tokens import MaxTokens
+from stages.errors import ContextLengthExceededError
 from stages.ingress.prep import Prep
 from stages.model_info import EMBEDDED_MODEL
 from stages.preprocess.preprocessor import Preprocessor

@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 
-from stages.transport.chunking import join_reply
 from stages.api.max_tokens import MaxTokens
 from stages.model_info import EMBEDDED_MODEL
 from stages.preprocess.deployment import INLINE_MAX_INPUT, PreprocessDeployment
 from stages.preprocess.preprocessor import input_size
-from stages.transport.messages import PreprocessRequest, SamplingParams
 from stages.tokenizer import GIL_FREE_ENCODE_CHARS
+from stages.transport.chunking import join_reply
+from stages.transport.messages import PreprocessRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")

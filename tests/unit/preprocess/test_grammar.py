@@ -11,11 +11,11 @@ import time
 import llguidance
 import pytest
 
-from tests.grammar_schemas import LARGE, SMALL
 from stages.errors import InvalidRequestError
-from stages.preprocess.grammar import ByteLRU, GrammarCompiler, GrammarLimits
 from stages.model_info import load_cpu_tokenizer, model_info
+from stages.preprocess.grammar import ByteLRU, GrammarCompiler, GrammarLimits
 from stages.transport.messages import GrammarSpec, StructuredOutputSpec
+from tests.grammar_schemas import LARGE, SMALL
 
 MODEL = "embedded:smollm2-135m-instruct"
 
@@ -148,8 +148,8 @@ def test_key_depends_on_tokenizer(compiler: GrammarCompiler, tokenizer) -> None:
 
 
 def test_preprocess_tokenises_bad_words_and_checks_token_ids() -> None:
-    from stages.preprocess.preprocessor import Preprocessor
     from stages.api.max_tokens import MaxTokens
+    from stages.preprocess.preprocessor import Preprocessor
     from stages.transport.messages import PreprocessRequest, SamplingParams
 
     pre = Preprocessor(MODEL)

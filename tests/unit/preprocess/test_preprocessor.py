@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.errors import ContextLengthExceededError, InvalidRequestError
 from stages.api.max_tokens import MaxTokens
+from stages.errors import ContextLengthExceededError, InvalidRequestError
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer
 from stages.preprocess.preprocessor import Preprocessor
 from stages.transport.messages import EngineRequest, PreprocessRequest, SamplingParams
