@@ -15,7 +15,7 @@ from stages.directory.deployment import DirectoryDeployment
 from stages.egress.deployment import EgressDeployment
 from stages.engine.deployment import EngineDeployment
 from stages.ingress import Ingress
-from stages.preprocess.preprocessor import PreprocessDeployment
+from stages.preprocess.deployment import PreprocessDeployment
 
 
 def build_app(args: dict[str, Any] | None = None) -> Application:

@@ -138,6 +138,7 @@ class IngressMetrics:
         self.slow_readers.labels(self.model_name).inc()
 
     def observe_abort(self, reason: str) -> None:
+        """A request that ended without its answer; ``reason`` is its outcome (``client_gone``, ...)."""
         self.aborts.labels(self.model_name, reason).inc()
         self.success.labels(self.model_name, "abort").inc()
 

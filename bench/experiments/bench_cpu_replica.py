@@ -92,7 +92,7 @@ def _build(stage: str, model: str) -> tuple[Any, str, Any]:
     if stage == "floor":
         return Floor.bind(), "Floor", lambda h: h.ping.remote().result()
     if stage == "preprocess":
-        from stages.preprocess.preprocessor import PreprocessDeployment
+        from stages.preprocess.deployment import PreprocessDeployment
 
         body = {"prompt": None, "messages": [{"role": "user", "content": "Hello there"}],
                 "add_generation_prompt": True, "add_special_tokens": False}
@@ -112,7 +112,7 @@ def _build_hf(stage: str, model: str) -> tuple[Any, str, Any]:
     """The same stage with transformers' AutoTokenizer, as every CPU stage loaded it before
     ``stages/tokenizer.py``: the "before" column, measured side by side in the same Ray session."""
     from stages.egress.deployment import EgressDeployment
-    from stages.preprocess.preprocessor import PreprocessDeployment
+    from stages.preprocess.deployment import PreprocessDeployment
 
     def with_transformers() -> None:
         import stages.model_info

@@ -193,6 +193,7 @@ def bench_mask(tokenizer: Any, vocab: int, eos: list[int], steps: int = 40) -> d
 
 def bench_throughput(rounds: int, streams: int, max_tokens: int) -> dict[str, Any]:
     """Decode tokens/s of ``streams`` concurrent requests, all constrained vs none, alternating."""
+    from stages.api.max_tokens import MaxTokens
     from stages.engine.core.engine import EngineConfig, LLMEngine
     from stages.preprocess.grammar import GrammarCompiler
     from stages.preprocess.preprocessor import Preprocessor
@@ -209,7 +210,7 @@ def bench_throughput(rounds: int, streams: int, max_tokens: int) -> dict[str, An
     grammar = compiler.compile_sync(StructuredOutputSpec("json_schema", json.dumps(schema)))
     engine.grammars.build(grammar)
     prompts = [pre.process(PreprocessRequest(
-        f"p{i}", SamplingParams(), None, messages=[{"role": "user", "content": f"Tell story number {i}."}]
+        f"p{i}", SamplingParams(), MaxTokens(), messages=[{"role": "user", "content": f"Tell story number {i}."}]
     )).prompt_token_ids for i in range(streams)]
     results: dict[str, list[float]] = {"none": [], "constrained": []}
     shares: list[float] = []

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from stages.api.render import CHAT, COMPLETION, Renderer
 from stages.api.requests import (
     MAX_STOP,
     ChatCompletionRequest,
@@ -51,23 +52,22 @@ _TIMING = {"type": "object", "additionalProperties": {"type": "number"}}
 _FINISH = {"type": "string", "enum": ["stop", "length", "abort"]}
 
 
-def _completion_body(kind: str) -> dict[str, Any]:
-    if kind == "chat":
-        choice = {"type": "object", "required": ["index", "message", "finish_reason"],
-                  "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
-                                 "logprobs": {"type": ["object", "null"]},
-                                 "message": {"type": "object", "required": ["role", "content"],
-                                             "properties": {"role": {"const": "assistant"},
-                                                            "content": {"type": "string"}}}}}
-        obj = "chat.completion"
-    else:
-        choice = {"type": "object", "required": ["index", "text", "finish_reason"],
-                  "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
-                                 "logprobs": {"type": ["object", "null"]}}}
-        obj = "text_completion"
+_CHAT_CHOICE = {"type": "object", "required": ["index", "message", "finish_reason"],
+                "properties": {"index": {"type": "integer"}, "finish_reason": _FINISH,
+                               "logprobs": {"type": ["object", "null"]},
+                               "message": {"type": "object", "required": ["role", "content"],
+                                           "properties": {"role": {"const": "assistant"},
+                                                          "content": {"type": "string"}}}}}
+_TEXT_CHOICE = {"type": "object", "required": ["index", "text", "finish_reason"],
+                "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": _FINISH,
+                               "logprobs": {"type": ["object", "null"]}}}
+
+
+def _completion_body(api: Renderer, choice: dict[str, Any]) -> dict[str, Any]:
     return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
-            "properties": {"id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
-                           "model": {"type": "string"}, "choices": {"type": "array", "items": choice},
+            "properties": {"id": {"type": "string"}, "object": {"const": api.object_name},
+                           "created": {"type": "integer"}, "model": {"type": "string"},
+                           "choices": {"type": "array", "items": choice},
                            "usage": {"$ref": "#/components/schemas/Usage"},
                            "server_timing": {"$ref": "#/components/schemas/ServerTiming"}}}
 
@@ -163,8 +163,8 @@ def build_openapi(*, version: str, model: str, max_tokens: int | None, max_body_
         for name in ("ChatCompletionRequest", "CompletionRequest"):
             for field in ("max_tokens", "max_completion_tokens"):
                 schemas[name]["properties"][field]["anyOf"][0]["maximum"] = max_tokens
-    schemas.update(Error=_ERROR, Usage=_USAGE, ServerTiming=_TIMING, ChatCompletion=_completion_body("chat"),
-                   Completion=_completion_body("completion"), TokenizeResponse=_TOKENIZE_RESPONSE,
+    schemas.update(Error=_ERROR, Usage=_USAGE, ServerTiming=_TIMING, ChatCompletion=_completion_body(CHAT, _CHAT_CHOICE),
+                   Completion=_completion_body(COMPLETION, _TEXT_CHOICE), TokenizeResponse=_TOKENIZE_RESPONSE,
                    DetokenizeResponse={"type": "object", "required": ["prompt"],
                                        "properties": {"prompt": {"type": "string"}}},
                    ModelList=_MODELS, Cancellation=_CANCELLATION)
@@ -178,11 +178,10 @@ def build_openapi(*, version: str, model: str, max_tokens: int | None, max_body_
     cancel_id = [{"name": "request_id", "in": "path", "required": True, "schema": {"type": "string"},
                   "description": "A response id, the server id, or a client X-Request-Id"}]
     paths: dict[str, Any] = {
-        "/v1/chat/completions": {"post": _op("Chat completion (streamed when stream is true)",
-                                             body="ChatCompletionRequest", ok={**_json("ChatCompletion"), **sse},
-                                             errors=_GENERATE_ERRORS)},
-        "/v1/completions": {"post": _op("Text completion (streamed when stream is true)", body="CompletionRequest",
-                                        ok={**_json("Completion"), **sse}, errors=_GENERATE_ERRORS)},
+        CHAT.path: {"post": _op("Chat completion (streamed when stream is true)", body="ChatCompletionRequest",
+                                ok={**_json("ChatCompletion"), **sse}, errors=_GENERATE_ERRORS)},
+        COMPLETION.path: {"post": _op("Text completion (streamed when stream is true)", body="CompletionRequest",
+                                      ok={**_json("Completion"), **sse}, errors=_GENERATE_ERRORS)},
         "/v1/models": {"get": _op("The served model", ok=_json("ModelList"))},
         "/v1/requests/{request_id}/cancel": {"post": _op("Cancel a live request", ok=_json("Cancellation"),
                                                          errors=(404,), params=cancel_id)},

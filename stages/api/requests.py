@@ -27,12 +27,14 @@ Every validation failure surfaces from :func:`parse_request` as an
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from stages.errors import InvalidRequestError
 from stages.api.fields import StructuredFields, ToolFields, reject_unsupported
+from stages.api.kinds import ApiKind
+from stages.api.max_tokens import UNRESOLVED, MaxTokens
+from stages.errors import InvalidRequestError
 from stages.transport.messages import MAX_TOP_LOGPROBS, SamplingParams
 
 #: Largest ``n`` accepted; every choice is a full sequence in the engine.
@@ -115,8 +117,10 @@ class ChatMessage(_Base):
 
 
 class _RequestBase(_Base, StructuredFields):
-    """Sampling and streaming fields shared by chat and text completions."""
+    """Sampling and streaming fields shared by chat and text completions. Each subclass is one
+    API: its :attr:`kind` picks the response renderer (:func:`stages.api.render.renderer`)."""
 
+    kind: ClassVar[ApiKind]
     model: str
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -156,6 +160,12 @@ class _RequestBase(_Base, StructuredFields):
         """``max_completion_tokens`` if given, else ``max_tokens``; ``None`` = up to the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def max_tokens_rule(self, limit: int) -> MaxTokens:
+        """This request's output-length ask under the operator's ``limit`` (0: none), resolved
+        once the prompt's length is known (:mod:`stages.api.max_tokens`)."""
+        field = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+        return MaxTokens(self.requested_max_tokens, field, limit)
+
     @property
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk (never for non-streamed ones)."""
@@ -165,9 +175,21 @@ class _RequestBase(_Base, StructuredFields):
 class ChatCompletionRequest(_RequestBase, ToolFields):
     """Body of ``POST /v1/chat/completions``."""
 
+    kind = ApiKind.CHAT
+    #: Chat never echoes the prompt (the field is a text completions one).
+    echo: ClassVar[bool] = False
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """``SamplingParams.logprobs``: ``None`` for none, else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prompt_input(self) -> dict[str, Any]:
+        """The ``PreprocessRequest`` field holding what the model is prompted with."""
+        return {"messages": messages_to_dicts(self)}
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
@@ -180,10 +202,20 @@ class ChatCompletionRequest(_RequestBase, ToolFields):
 class CompletionRequest(_RequestBase):
     """Body of ``POST /v1/completions``. ``prompt`` is normalised to a string or token ids."""
 
+    kind = ApiKind.COMPLETION
     prompt: str | list[int]
     #: Number of alternatives per token (OpenAI allows 5; we allow up to 20).
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """``SamplingParams.logprobs``: ``None`` for none, else how many alternatives per token."""
+        return self.logprobs
+
+    def prompt_input(self) -> dict[str, Any]:
+        """The ``PreprocessRequest`` field holding what the model is prompted with."""
+        return {"prompt": self.prompt}
 
     @field_validator("prompt", mode="plain")
     @classmethod
@@ -302,21 +334,15 @@ def parse_request(model_cls: type[_M], body: bytes) -> _M:
         raise _to_invalid_request(e) from None
 
 
-def to_sampling_params(
-    req: ChatCompletionRequest | CompletionRequest, *, default_max_tokens: int
-) -> SamplingParams:
+def to_sampling_params(req: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
     """Map a chat or text completion request onto engine :class:`SamplingParams`.
 
-    ``default_max_tokens`` is used when the client set neither ``max_completion_tokens`` nor
-    ``max_tokens`` (the caller passes the room left in the context window).
+    Everything but ``max_tokens``, which needs the prompt's length: it is left at
+    :data:`~stages.api.max_tokens.UNRESOLVED` until Preprocess resolves the request's
+    :meth:`~_RequestBase.max_tokens_rule` (the engine refuses a request that skipped that).
     """
-    if isinstance(req, ChatCompletionRequest):
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    else:
-        logprobs = req.logprobs
-    max_tokens = req.requested_max_tokens
     return SamplingParams(
-        max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+        max_tokens=UNRESOLVED,
         temperature=req.temperature,
         top_p=req.top_p,
         top_k=max(req.top_k, 0),  # -1 (vLLM's "off") becomes our 0
@@ -328,7 +354,7 @@ def to_sampling_params(
         stop=list(req.stop),
         stop_token_ids=list(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
-        logprobs=logprobs,
+        logprobs=req.logprobs_asked,
         skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         logit_bias=req.logit_bias_ids(),

@@ -36,12 +36,19 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.api.render import LogprobFormatter, renderer, sse_event, usage
+from stages.api.tool_calls import ToolCallStreamParser, parse_tool_calls
 from stages.egress.detokenizer import IncrementalDetokenizer
 from stages.engine.core.errors import EngineOverloadedError
 from stages.errors import EngineUnavailableError, unwrap_error
-from stages.api.render import LogprobFormatter, full_response, sse_event, stream_chunk, usage
-from stages.transport.messages import AbortRequest, EngineOutput, GenerationJob, StreamFrame, StreamStart, StreamSummary
-from stages.api.tool_calls import ToolCallStreamParser, parse_tool_calls
+from stages.transport.messages import (
+    AbortRequest,
+    EngineOutput,
+    GenerationJob,
+    StreamFrame,
+    StreamStart,
+    StreamSummary,
+)
 
 
 class EngineStream:
@@ -118,8 +125,7 @@ class Egress:
         lp_body = None
         if out.logprobs and job.engine_request.sampling_params.logprobs is not None:
             if job.stream:
-                lp_body = (self.logprob_fmt.chat(out.logprobs) if job.kind == "chat"
-                           else self.logprob_fmt.completion(out.logprobs, c.text_len))
+                lp_body = renderer(job.kind).logprobs(self.logprob_fmt, out.logprobs, c.text_len)
             else:
                 c.logprobs.extend(out.logprobs)
         c.text_len += len(text)
@@ -137,8 +143,9 @@ class Egress:
                 finish = c.finish_reason = "tool_calls"
         if not text and finish is None and lp_body is None and not c.first and not calls:
             return None
-        chunk = stream_chunk(job.kind, job.response_id, job.created, job.model_name, c.index, text,
-                             first=c.first, finish_reason=finish, logprobs=lp_body, tool_calls=calls)
+        chunk = renderer(job.kind).stream_chunk(job.response_id, job.created, job.model_name, c.index, text,
+                                                first=c.first, finish_reason=finish, logprobs=lp_body,
+                                                tool_calls=calls)
         c.first = False
         return chunk
 
@@ -154,13 +161,13 @@ class Egress:
         )
 
     def _body(self, job: GenerationJob, choices: list[_Choice], summary: StreamSummary) -> dict[str, Any]:
+        api = renderer(job.kind)
         rendered = []
         for c in choices:
             lp = None
             if job.engine_request.sampling_params.logprobs is not None:
                 prefix = len(c.text[0]) if job.echo and c.text else 0
-                lp = (self.logprob_fmt.chat(c.logprobs) if job.kind == "chat"
-                      else self.logprob_fmt.completion(c.logprobs, prefix))
+                lp = api.logprobs(self.logprob_fmt, c.logprobs, prefix)
             text, finish, calls = "".join(c.text), c.finish_reason or "abort", None
             if job.tool_parsing is not None:
                 content, calls = parse_tool_calls(text)
@@ -169,8 +176,8 @@ class Egress:
                     finish = summary.finish_reasons[c.index] = "tool_calls"  # the log and metrics agree
             rendered.append({"index": c.index, "text": text, "finish_reason": finish, "logprobs": lp,
                              "tool_calls": calls})
-        return full_response(job.kind, job.response_id, job.created, job.model_name, rendered,
-                             usage(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens))
+        return api.full_response(job.response_id, job.created, job.model_name, rendered,
+                                 usage(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens))
 
     # -- the engine stream ---------------------------------------------------------------------------
     async def _open_accepted(self, job: GenerationJob) -> tuple[EngineStream, EngineOutput]:

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from importlib.metadata import version as package_version
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -42,8 +43,7 @@ from stages.errors import (
 )
 from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
 from stages.ingress.http_errors import error_response, to_serve_error
-from stages.ingress.lifecycle import Lifecycle, LiveRequest
-from stages.ingress.limits import cap_max_tokens, check_max_tokens
+from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
 from stages.api.openapi import build_openapi
 from stages.ingress.prep import Prep
 from stages.ingress.sse import relay, sse_response
@@ -60,11 +60,10 @@ from stages.transport.liveness import own_actor_name, own_replica_id
 from stages.metrics import IngressMetrics, RequestRecord
 from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
 from stages.api.fields import preprocess_fields, tool_parsing
-from stages.api.render import TIMING_FIELD, server_timing_header
+from stages.api.render import CHAT, COMPLETION, TIMING_FIELD, renderer, server_timing_header
 from stages.api.requests import (
     ChatCompletionRequest,
     CompletionRequest,
-    messages_to_dicts,
     parse_request,
     to_sampling_params,
 )
@@ -80,7 +79,8 @@ logger = logging.getLogger("lifecycle.ingress")
 #: One JSON line per finished request (stderr with the rest; optionally also a file).
 request_log = logging.getLogger("lifecycle.requests")
 
-VERSION = "0.2.0"
+#: The package's own version (``pyproject.toml``), as installed; ``/version`` and the OpenAPI spec show it.
+VERSION = package_version("lifecycle-serve")
 #: Response header carrying the server-minted request id (the response ``id`` holds it too).
 SERVER_ID_HEADER = "X-Server-Request-Id"
 MAX_REQUEST_ID_LEN = 128
@@ -148,8 +148,8 @@ class Ingress:
 
     def __serve_build_asgi_app__(self) -> Starlette:
         routes = [
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route(CHAT.path, self.chat_completions, methods=["POST"]),
+            Route(COMPLETION.path, self.completions, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", self.cancel, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -202,18 +202,19 @@ class Ingress:
 
     # -- generation -----------------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
-        return await self._generate(request, "chat")
+        return await self._generate(request, ChatCompletionRequest)
 
     async def completions(self, request: Request) -> Response:
-        return await self._generate(request, "completion")
+        return await self._generate(request, CompletionRequest)
 
-    async def _generate(self, request: Request, kind: str) -> Response:
+    async def _generate(self, request: Request, cls: type[ChatCompletionRequest | CompletionRequest]) -> Response:
+        """The one path of both generation APIs; the route's request model decides which API it is
+        (its ``kind``), and from there only the renderer tells them apart."""
         t_arrival = time.perf_counter()
-        span = get_tracer().start_span(
-            "POST /v1/chat/completions" if kind == "chat" else "POST /v1/completions",
-            context=extract(request.headers), kind=SpanKind.SERVER)
+        api = renderer(cls.kind)
+        span = get_tracer().start_span(f"POST {api.path}", context=extract(request.headers), kind=SpanKind.SERVER)
         label = request.headers.get("x-request-id")
-        live = self.lifecycle.open(kind, span, t0=t_arrival, api_key_id=request_key_id(request),
+        live = self.lifecycle.open(api.kind, span, t0=t_arrival, api_key_id=request_key_id(request),
                                    client_request_id=label if label and len(label) <= MAX_REQUEST_ID_LEN else None)
         span.set_attribute("lifecycle.request_id", live.request_id)
         gen: Any = None
@@ -221,32 +222,31 @@ class Ingress:
             validate_request_id(label)
             if label is not None:
                 span.set_attribute("lifecycle.client_request_id", label)
-            cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
             req = parse_request(cls, await self._read_body(request))
             self._check_model(req.model)
-            check_max_tokens(req, self.cfg.http.max_tokens_limit)
+            max_tokens = req.max_tokens_rule(self.cfg.http.max_tokens_limit)
+            max_tokens.check()  # before any templating: the part of the rule that needs no prompt
             span.set_attributes({"gen_ai.request.model": req.model,
-                                 "gen_ai.operation.name": "chat" if kind == "chat" else "text_completion",
+                                 "gen_ai.operation.name": api.operation,
                                  "gen_ai.request.max_tokens": req.requested_max_tokens or 0,
                                  "http.request.method": "POST", "lifecycle.stream": req.stream})
             pre = PreprocessRequest(
                 request_id=live.request_id,
-                sampling_params=to_sampling_params(req, default_max_tokens=1),
-                requested_max_tokens=req.requested_max_tokens,
-                messages=messages_to_dicts(req) if kind == "chat" else None,
-                prompt=None if kind == "chat" else req.prompt,
+                sampling_params=to_sampling_params(req),
+                max_tokens=max_tokens,
                 trace_context=inject(span),
                 n=req.n,
+                **req.prompt_input(),  # messages (chat) or prompt (text)
                 **preprocess_fields(req),  # structured outputs, tools, bad_words
             )
-            engine_request = cap_max_tokens(await self.prep.process(pre), self.cfg.http.max_tokens_limit)
+            engine_request = await self.prep.process(pre)
             live.prep = time.perf_counter() - t_arrival
             self.metrics.observe_grammar(engine_request.upstream_timings)
             live.prompt_text = engine_request.prompt_text
-            job = GenerationJob(engine_request=engine_request, kind=kind, model_name=self.served_name,
+            job = GenerationJob(engine_request=engine_request, kind=api.kind, model_name=self.served_name,
                                 response_id=live.response_id, created=int(time.time()), n=req.n,
                                 stream=req.stream, include_usage=req.include_usage,
-                                echo=getattr(req, "echo", False), consumer=self.to_egress.name,
+                                echo=req.echo, consumer=self.to_egress.name,
                                 tool_parsing=tool_parsing(req))
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
@@ -263,11 +263,11 @@ class Ingress:
             if gen is not None:  # started: ending it is cancelling it (before that, dispatch undid it)
                 gen.cancel()
             if isinstance(exc, asyncio.CancelledError):
-                self.lifecycle.close(live, "client_gone")
+                self.lifecycle.close(live, Outcome.CLIENT_GONE)
                 raise
             err = to_serve_error(RequestTimeoutError() if isinstance(exc, TimeoutError) else exc)
             live.status = err.status_code
-            self.lifecycle.close(live, "timeout" if isinstance(err, RequestTimeoutError) else "error")
+            self.lifecycle.close(live, Outcome.TIMEOUT if isinstance(err, RequestTimeoutError) else Outcome.ERROR)
             return error_response(err, headers=self._id_headers(live))
 
     def _id_headers(self, live: LiveRequest) -> dict[str, str]:
@@ -282,7 +282,7 @@ class Ingress:
         timings = self._timings(live, summary)
         body = summary.body
         body[TIMING_FIELD] = timings
-        self.lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", summary, timings)
+        self.lifecycle.close(live, Outcome.CANCELLED if live.cancel_requested else Outcome.OK, summary, timings)
         headers = {**self._id_headers(live), "Server-Timing": server_timing_header(timings)}
         return JSONResponse(body, headers=headers)
 
@@ -312,7 +312,7 @@ class Ingress:
 
     def _on_close(self, live: LiveRequest, summary: StreamSummary | None, timings: dict[str, float] | None) -> None:
         span = live.span
-        if live.outcome == "slow_reader":
+        if live.outcome == Outcome.SLOW_READER:
             self.metrics.observe_slow_reader()
         if summary is not None:
             if span.is_recording():

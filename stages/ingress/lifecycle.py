@@ -25,11 +25,33 @@ import time
 import uuid
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
+from stages.api.kinds import ApiKind
+from stages.api.render import renderer
 from stages.transport.messages import AbortRequest, LiveEntry, StreamStart
 
 logger = logging.getLogger("lifecycle.ingress")
+
+
+class Outcome(StrEnum):
+    """How a request ended: its log line's ``outcome``, and for a request that ended without its
+    answer, the ``reason`` label of ``request_aborted_total``. A ``str`` enum, so both read exactly
+    as these values."""
+
+    #: Answered in full.
+    OK = "ok"
+    #: Answered, but ended early by a cancel by id (the choices finish with ``"abort"``).
+    CANCELLED = "cancelled"
+    #: The client disconnected before the answer was complete.
+    CLIENT_GONE = "client_gone"
+    #: ``http.request_timeout_s`` passed.
+    TIMEOUT = "timeout"
+    #: A streaming client stopped reading and its buffer filled (:class:`~stages.errors.SlowReaderError`).
+    SLOW_READER = "slow_reader"
+    #: Any other error (its HTTP status is in ``LiveRequest.status``).
+    ERROR = "error"
 
 
 def mint_request_id() -> str:
@@ -42,17 +64,12 @@ def _being_cancelled() -> bool:
     return task is not None and task.cancelling() > 0
 
 
-def response_id(kind: str, request_id: str) -> str:
-    """The OpenAI response ``id`` of a request."""
-    return ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
-
-
 @dataclass
 class LiveRequest:
     """Per-request state owned by Ingress: ids, clocks (this process only), span, outcome."""
 
     request_id: str
-    kind: str
+    kind: ApiKind
     span: Any
     client_request_id: str | None = None
     api_key_id: str | None = None
@@ -68,7 +85,7 @@ class LiveRequest:
     first_flush: float | None = None
     last_token_at: float | None = None
     itls: list[float] = field(default_factory=list)
-    outcome: str = "ok"
+    outcome: Outcome = Outcome.OK
     status: int = 200
     #: Where the engine runs it; set once the engine accepted the request.
     engine_replica: str | None = None
@@ -80,7 +97,7 @@ class LiveRequest:
 
     @property
     def response_id(self) -> str:
-        return response_id(self.kind, self.request_id)
+        return renderer(self.kind).response_id(self.request_id)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -156,7 +173,7 @@ class Lifecycle:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # -- open / start / close ------------------------------------------------------------------------
-    def open(self, kind: str, span: Any, *, client_request_id: str | None = None, api_key_id: str | None = None,
+    def open(self, kind: ApiKind, span: Any, *, client_request_id: str | None = None, api_key_id: str | None = None,
              t0: float | None = None) -> LiveRequest:
         """Mint an id and register a new request (in the directory too, batched)."""
         live = LiveRequest(mint_request_id(), kind, span, client_request_id, api_key_id)
@@ -174,7 +191,7 @@ class Lifecycle:
         if live.cancel_requested:
             self._send_abort(live)
 
-    def close(self, live: LiveRequest, outcome: str | None = None, summary: Any = None,
+    def close(self, live: LiveRequest, outcome: Outcome | None = None, summary: Any = None,
               timings: dict[str, float] | None = None) -> bool:
         """End the request's life here: exactly once, whatever called it. Returns False when it
         had already been closed."""

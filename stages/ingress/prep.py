@@ -1,9 +1,9 @@
 """Where a request is templated and tokenised: in the Ingress itself when it is small and plain,
 in the Preprocess stage otherwise.
 
-Each new Serve call on the first token's path costs 2.6-3.4 ms here, and the Preprocess round trip
-(call, reply) ~4.5 ms, for ~0.5 ms of work on a short chat (BENCHMARKS, issue 11 round 6). A short
-plain request is therefore prepared on the Ingress's own loop, with the same :class:`Preprocessor`
+A round trip to the Preprocess stage costs several times the work of templating and tokenising a
+short chat, and it sits on the first token's path (BENCHMARKS.md has the figures). A short plain
+request is therefore prepared on the Ingress's own loop, with the same :class:`Preprocessor`
 and the same checks, span and timings as in the stage. What stays in the stage is what it exists
 for: inputs whose cost grows with their size (the stage runs big ones off its loop and scales on
 them), grammar compilation with its cache, and tool templating. ``preprocess.inline_max_chars: 0``
@@ -16,7 +16,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stages.preprocess.preprocessor import ContextLimit, Preprocessor, annotate_prepared, needs_stage, preprocess_span
+from stages.preprocess.preprocessor import (
+    ContextLimit,
+    Preprocessor,
+    annotate_prepared,
+    needs_stage,
+    preprocess_span,
+)
 from stages.transport.messages import EngineRequest, PreprocessRequest
 
 

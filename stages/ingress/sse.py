@@ -31,8 +31,8 @@ from starlette.types import Receive, Scope, Send
 from stages.errors import EngineUnavailableError, InternalServerError, RequestTimeoutError, SlowReaderError
 from stages.ingress.backpressure import StreamBuffer
 from stages.ingress.http_errors import to_serve_error
-from stages.ingress.lifecycle import Lifecycle, LiveRequest
-from stages.api.render import SSE_HEADERS, SSE_KEEPALIVE, final_stream_chunk, sse_event, usage
+from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
+from stages.api.render import SSE_HEADERS, SSE_KEEPALIVE, renderer, sse_event, usage
 from stages.transport.messages import GenerationJob, StreamFrame, StreamStart, StreamSummary
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -175,14 +175,15 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
                         parts = timings(live, item)
                         usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
                                       if job.include_usage else None)
-                        emit(sse_event(final_stream_chunk(job.kind, job.response_id, job.created, job.model_name,
-                                                          usage_body, parts), events))
+                        emit(sse_event(renderer(job.kind).final_stream_chunk(job.response_id, job.created,
+                                                                             job.model_name, usage_body, parts),
+                                       events))
                         emit(sse_event("[DONE]", events + 1))
                         buffer.close()
-                        lifecycle.close(live, "cancelled" if live.cancel_requested else "ok", item, parts)
+                        lifecycle.close(live, Outcome.CANCELLED if live.cancel_requested else Outcome.OK, item, parts)
                         return
         except asyncio.CancelledError:
-            live.outcome = "client_gone"
+            live.outcome = Outcome.CLIENT_GONE
             raise
         except Exception as exc:  # noqa: BLE001 - the status is sent: report in-band, then end
             gen.cancel()  # abort in the engine now, not when the client has taken the error
@@ -191,10 +192,10 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
             buffer.replace([sse_event(err.to_dict(), events).encode(), sse_event("[DONE]", events + 1).encode()])
             if isinstance(err, SlowReaderError):
                 logger.warning("request %s aborted: %s", live.request_id, err.message)
-                lifecycle.close(live, "slow_reader")
+                lifecycle.close(live, Outcome.SLOW_READER)
                 response.close_after(slow_reader_grace_s)
             else:
-                live.outcome = "timeout" if isinstance(err, RequestTimeoutError) else "error"
+                live.outcome = Outcome.TIMEOUT if isinstance(err, RequestTimeoutError) else Outcome.ERROR
         finally:
             buffer.close()
 
@@ -208,7 +209,7 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
                     live.mark_flushed()  # resumed: Starlette's send of the first token's frame returned
                 buffer.mark_sent()
         except (asyncio.CancelledError, GeneratorExit):
-            live.outcome = "client_gone" if live.outcome == "ok" else live.outcome
+            live.outcome = Outcome.CLIENT_GONE if live.outcome == Outcome.OK else live.outcome
             raise
         finally:
             if not reader.done():
@@ -218,7 +219,7 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
     def on_close() -> None:
         if not live.closed:
             gen.cancel()  # Ray Serve carries this to Egress and on to the engine: abort
-            lifecycle.close(live, "client_gone" if live.outcome == "ok" else None)
+            lifecycle.close(live, Outcome.CLIENT_GONE if live.outcome == Outcome.OK else None)
 
     response = ClosingStreamingResponse(body(), on_close, media_type="text/event-stream",
                                         headers={**SSE_HEADERS, **(headers or {})})

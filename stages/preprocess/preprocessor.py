@@ -1,38 +1,26 @@
-"""Preprocess stage: chat template, tokenisation, length checks, final sampling parameters.
+"""Preprocess logic: chat template, tokenisation, length checks, final sampling parameters.
 
-:class:`Preprocessor` is plain Python (tested without Ray); :class:`PreprocessDeployment` is the
-thin Ray Serve wrapper. The chat template is the model's own; it silently adds role markers and,
-for many models, a default system prompt, which is why ``/tokenize`` exposes exactly what it made.
-
-No head-of-line blocking: templating and tokenising a big input (a 1 MB prompt takes seconds) runs
-in a thread pool sized to the replica's CPUs, off the replica's event loop, so small requests keep
-being served beside it (the Rust tokenizer releases the GIL while it encodes a long text). Small
-inputs, the common case, run inline: a thread hop would cost more than their work. ``/tokenize`` and
-``/detokenize`` answer in bounded parts (:mod:`stages.transport.chunking`), since their replies grow with the
-input and can outgrow the 4 MiB message limit between deployments.
+Plain Python, tested without Ray: :class:`Preprocessor` does the work, :class:`ContextLimit` keeps
+its context length equal to the engines' own, and the helpers below are shared by the two places a
+request is prepared, the Preprocess stage (:mod:`stages.preprocess.deployment`) and the Ingress
+itself for short plain requests (:mod:`stages.ingress.prep`). The chat template is the model's
+own; it silently adds role markers and, for many models, a default system prompt, which is why
+``/tokenize`` exposes exactly what it made.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
-import os
-import sys
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
-from ray import serve
-
-from stages.transport.chunking import split_reply
-from stages.errors import ContextLengthExceededError, InvalidRequestError
-from stages.preprocess.grammar import GrammarCompiler, GrammarLimits
-from stages.model_info import load_cpu_tokenizer, model_info
-from stages.transport.messages import EngineRequest, PreprocessRequest, ReplyPart
-from stages.telemetry import get_tracer, span_from_context
 from stages.api.tool_calls import forcing_grammar, template_supports_tools
+from stages.errors import InvalidRequestError
+from stages.model_info import load_cpu_tokenizer, model_info
+from stages.preprocess.grammar import GrammarCompiler
+from stages.telemetry import get_tracer, span_from_context
+from stages.transport.messages import EngineRequest, PreprocessRequest
 
 
 class Preprocessor:
@@ -67,7 +55,7 @@ class Preprocessor:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def process(self, req: PreprocessRequest) -> EngineRequest:
-        """Template, tokenise, check lengths and resolve ``max_tokens``."""
+        """Template, tokenise, check lengths and resolve ``max_tokens`` (:mod:`stages.api.max_tokens`)."""
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
         if req.messages is not None:
@@ -89,13 +77,9 @@ class Preprocessor:
         timings["tokenize"] = time.perf_counter() - t1
         if not token_ids:
             raise InvalidRequestError("the prompt is empty after tokenisation", param="prompt")
-        n = len(token_ids)
-        room = self.max_model_len - n
-        max_tokens = req.requested_max_tokens
-        if room < 1 or (max_tokens is not None and max_tokens > room):
-            raise ContextLengthExceededError(n, max_tokens, self.max_model_len,
-                                             param="messages" if req.messages is not None else "prompt")
-        params = dataclasses.replace(req.sampling_params, max_tokens=max_tokens if max_tokens is not None else room,
+        max_tokens = req.max_tokens.resolve(len(token_ids), self.max_model_len,
+                                            prompt_param="messages" if req.messages is not None else "prompt")
+        params = dataclasses.replace(req.sampling_params, max_tokens=max_tokens,
                                      bad_words_token_ids=self._bad_words(req.bad_words))
         self._check_token_ids(params)
         return EngineRequest(request_id=req.request_id, prompt_token_ids=token_ids, sampling_params=params,
@@ -139,33 +123,12 @@ class Preprocessor:
 LIMIT_REFRESH_S = 5.0
 #: Seconds a refresh may wait for the Directory before the last known length is kept.
 LIMIT_TIMEOUT_S = 1.0
-#: The GIL switch interval of a Preprocess replica (CPython's default is 5 ms).
-PREPROCESS_SWITCH_INTERVAL_S = 0.0005
-#: Inputs up to this many characters (or token ids) are prepared inline on the event loop: about a
-#: millisecond of work, less than handing them to a thread.
-INLINE_MAX_INPUT = 4096
-
-_T = TypeVar("_T")
-
 
 def input_size(messages: list[dict[str, str]] | None, prompt: str | list[int] | None) -> int:
     """Characters (or token ids) of a request's input: what its preparation costs grows with."""
     if messages is not None:
         return sum(len(m.get("content") or "") for m in messages)
     return len(prompt or "")
-
-
-def replica_cpus() -> int:
-    """Whole CPUs this replica may use (its Ray CPU share rounded up, at least 1, at most the host's)."""
-    import ray
-
-    share = 1.0
-    if ray.is_initialized():  # (asking the runtime context otherwise starts or joins a cluster)
-        try:
-            share = float(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))
-        except AssertionError:  # a driver, not an actor (tests that build the class in-process)
-            pass
-    return max(1, min(math.ceil(share), os.cpu_count() or 1))
 
 
 #: Span attribute of ``preprocess``: where the request was prepared, ``ingress`` or ``stage``.
@@ -218,65 +181,6 @@ def annotate_prepared(span: Any, out: EngineRequest, tokenized_ns: int) -> None:
     span.set_attribute("gen_ai.usage.input_tokens", len(out.prompt_token_ids))
     if span.is_recording():
         _child_spans(span, out.upstream_timings, tokenized_ns)
-
-
-@serve.deployment(name="Preprocess", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.25})
-class PreprocessDeployment:
-    """CPU stage; scale it with ``num_replicas`` independently of the engine.
-
-    The context length it enforces is the engines' own (after each engine capped it to its KV
-    pool; the smallest when several disagree), read from the Directory, so a prompt Preprocess
-    accepts is one every engine can run, and a too-long one gets ``context_length_exceeded`` here.
-    """
-
-    def __init__(self, model: str, max_model_len: int, tracing: dict[str, Any] | None = None,
-                 directory: Any = None, structured_outputs: dict[str, Any] | None = None) -> None:
-        from stages.telemetry import configure_tracing
-
-        configure_tracing(tracing, component="preprocess")
-        self.pre = Preprocessor(model, max_model_len or None)
-        self.grammars = GrammarCompiler(self.pre.tokenizer, self.pre.model_vocab_size, self.pre.eos_token_ids,
-                                        GrammarLimits(**(structured_outputs or {})))
-        self.grammars.warm_up()
-        self.limit = ContextLimit(self.pre, directory)
-        self._pool = ThreadPoolExecutor(max_workers=replica_cpus(), thread_name_prefix="preprocess")
-        # A pool thread doing Python-level work on a big input holds the GIL for up to the switch
-        # interval (5 ms) each time this replica's event loop or gRPC's poller wants it back, and a
-        # small request needs it back dozens of times; at 0.5 ms those waits stop adding up.
-        sys.setswitchinterval(PREPROCESS_SWITCH_INTERVAL_S)
-
-    async def _run(self, size: int, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-        """``fn(*args, **kwargs)``: inline when the input is small, else in the pool (off the loop)."""
-        if size <= INLINE_MAX_INPUT:
-            return fn(*args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, lambda: fn(*args, **kwargs))
-
-    async def process(self, req: PreprocessRequest) -> EngineRequest:
-        await self.limit.refresh()
-        with preprocess_span(req, "stage") as span:
-            out = await self._run(input_size(req.messages, req.prompt), self.pre.process, req)
-            tokenized_ns = time.time_ns()
-            await compile_grammar(self.grammars, req, out)
-            annotate_prepared(span, out, tokenized_ns)
-            return out
-
-    async def ping(self) -> bool:
-        """Liveness for the app's ``/health``."""
-        return True
-
-    async def tokenize(self, body: dict[str, Any]) -> AsyncIterator[ReplyPart]:
-        """``/tokenize``, as a stream of bounded parts (a big prompt's reply is bigger than one message)."""
-        await self.limit.refresh()
-        parts = await self._run(input_size(body.get("messages"), body.get("prompt")),
-                                lambda: list(split_reply(self.pre.tokenize(**body))))
-        for part in parts:
-            yield part
-
-    async def detokenize(self, tokens: list[int]) -> AsyncIterator[ReplyPart]:
-        """``/detokenize``, as a stream of bounded parts."""
-        parts = await self._run(len(tokens), lambda: list(split_reply(self.pre.detokenize(tokens))))
-        for part in parts:
-            yield part
 
 
 async def compile_grammar(compiler: GrammarCompiler, req: PreprocessRequest, out: EngineRequest) -> None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.api.kinds import ApiKind
+from stages.api.max_tokens import MaxTokens
+
 #: Maximum ``top_logprobs`` the sampler returns (the OpenAI API allows 20).
 MAX_TOP_LOGPROBS = 20
 
@@ -65,11 +68,6 @@ class SamplingParams:
     def has_token_restrictions(self) -> bool:
         """True when ``logit_bias``, ``allowed_token_ids`` or ``bad_words`` change the logits."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
-
-
-#: Structured-output kinds a client can ask for (``response_format``, ``structured_outputs``,
-#: the legacy ``guided_*`` fields, and tool calls forced by ``tool_choice``).
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
 
 
 @dataclass
@@ -259,14 +257,14 @@ class ChannelBatch:
 class PreprocessRequest:
     """A validated API request on its way from Ingress to Preprocess.
 
-    Exactly one of ``messages`` (chat) or ``prompt`` (text or token ids) is set.
-    ``requested_max_tokens`` is ``None`` when the client left it open: Preprocess fills in the room
-    left in the context window.
+    Exactly one of ``messages`` (chat) or ``prompt`` (text or token ids) is set. Preprocess sets
+    ``sampling_params.max_tokens`` from ``max_tokens`` once the prompt's length is known
+    (:meth:`MaxTokens.resolve`).
     """
 
     request_id: str
     sampling_params: SamplingParams
-    requested_max_tokens: int | None
+    max_tokens: MaxTokens
     messages: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     add_generation_prompt: bool = True
@@ -288,7 +286,8 @@ class GenerationJob:
     """What Egress needs to run one API request: the engine request and the response shape."""
 
     engine_request: EngineRequest
-    kind: str  # "chat" or "completion"
+    #: Which API answers (its renderer, :func:`stages.api.render.renderer`, shapes the output).
+    kind: ApiKind
     model_name: str
     response_id: str
     created: int

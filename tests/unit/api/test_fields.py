@@ -13,9 +13,9 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from stages.errors import InvalidRequestError
 from stages.api.fields import IGNORED_FIELDS, REJECTED_FIELDS
 from stages.api.requests import ChatCompletionRequest, CompletionRequest, parse_request
+from stages.errors import InvalidRequestError
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 

@@ -1,24 +1,26 @@
-"""OpenAI response shapes and SSE framing (pure functions), checked against exact expected output and
-against the official ``openai`` client's own models and SSE decoder."""
+"""OpenAI response shapes (the chat and completion renderers) and SSE framing, checked against exact
+expected output and against the official ``openai`` client's own models and SSE decoder."""
 
 from __future__ import annotations
 
 import json
+import pickle
 
 import pytest
 from openai._streaming import SSEDecoder
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from stages.api.kinds import ApiKind
 from stages.api.render import (
+    CHAT,
+    COMPLETION,
     SSE_KEEPALIVE,
     TIMING_FIELD,
     LogprobFormatter,
-    final_stream_chunk,
-    full_response,
+    renderer,
     server_timing_header,
     sse_event,
-    stream_chunk,
     usage,
 )
 from stages.transport.messages import TokenLogprob
@@ -59,13 +61,41 @@ def test_keepalive_between_events_is_invisible_to_the_client() -> None:
     assert [e.id for e in events[:2]] == ["1", "2"]
 
 
+# -- the two renderers -------------------------------------------------------------------------------
+def test_each_kind_has_its_renderer_and_names() -> None:
+    assert renderer(ApiKind.CHAT) is CHAT and renderer("chat") is CHAT  # the name, as it crossed a boundary
+    assert renderer(ApiKind.COMPLETION) is COMPLETION and renderer("completion") is COMPLETION
+    assert (CHAT.response_id("abc"), COMPLETION.response_id("abc")) == ("chatcmpl-abc", "cmpl-abc")
+    assert (CHAT.path, COMPLETION.path) == ("/v1/chat/completions", "/v1/completions")
+    assert (CHAT.operation, COMPLETION.operation) == ("chat", "text_completion")
+    assert (CHAT.object_name, CHAT.chunk_object_name) == ("chat.completion", "chat.completion.chunk")
+    assert (COMPLETION.object_name, COMPLETION.chunk_object_name) == ("text_completion", "text_completion")
+    with pytest.raises(KeyError):
+        renderer("embedding")
+
+
+def test_a_kind_is_its_name_in_json_and_pickles() -> None:
+    assert json.dumps({"kind": ApiKind.CHAT}) == '{"kind": "chat"}' and f"{ApiKind.COMPLETION}" == "completion"
+    assert pickle.loads(pickle.dumps(ApiKind.CHAT)) is ApiKind.CHAT
+
+
+def test_a_chat_delta_with_only_tool_calls_has_null_content() -> None:
+    call = {"index": 0, "id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    chunk = CHAT.stream_chunk(RID, CREATED, MODEL, 0, "", first=True, tool_calls=[call])
+    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": None, "tool_calls": [call]}
+    ChatCompletionChunk.model_validate(chunk)
+    whole = CHAT.full_response(RID, CREATED, MODEL, [{"index": 0, "text": None, "finish_reason": "tool_calls",
+                                                      "tool_calls": [call]}], usage(1, 1))
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
 # -- streamed chunks ----------------------------------------------------------------------------------
 def test_first_chat_delta_carries_the_role() -> None:
-    first = stream_chunk("chat", RID, CREATED, MODEL, 0, "Hel", first=True)
+    first = CHAT.stream_chunk(RID, CREATED, MODEL, 0, "Hel", first=True)
     assert first == {"id": RID, "object": "chat.completion.chunk", "created": CREATED, "model": MODEL,
                      "choices": [{"index": 0, "delta": {"role": "assistant", "content": "Hel"},
                                   "logprobs": None, "finish_reason": None}]}
-    later = stream_chunk("chat", RID, CREATED, MODEL, 1, "lo", finish_reason="stop", logprobs={"content": []})
+    later = CHAT.stream_chunk(RID, CREATED, MODEL, 1, "lo", finish_reason="stop", logprobs={"content": []})
     assert later["choices"] == [{"index": 1, "delta": {"content": "lo"}, "logprobs": {"content": []},
                                  "finish_reason": "stop"}]
     for chunk in (first, later):
@@ -75,14 +105,14 @@ def test_first_chat_delta_carries_the_role() -> None:
 
 
 def test_completion_chunk_has_text_not_delta() -> None:
-    chunk = stream_chunk("completion", "cmpl-1", CREATED, MODEL, 2, " world", first=True, finish_reason="length")
+    chunk = COMPLETION.stream_chunk("cmpl-1", CREATED, MODEL, 2, " world", first=True, finish_reason="length")
     assert chunk == {"id": "cmpl-1", "object": "text_completion", "created": CREATED, "model": MODEL,
                      "choices": [{"index": 2, "text": " world", "logprobs": None, "finish_reason": "length"}]}
     Completion.model_validate(chunk)
 
 
 def test_final_stream_chunk_with_usage_and_timings() -> None:
-    body = final_stream_chunk("chat", RID, CREATED, MODEL, usage(5, 3), {"prep": 1.5, "total": 20.0})
+    body = CHAT.final_stream_chunk(RID, CREATED, MODEL, usage(5, 3), {"prep": 1.5, "total": 20.0})
     assert body == {"id": RID, "object": "chat.completion.chunk", "created": CREATED, "model": MODEL,
                     "choices": [], "usage": usage(5, 3), TIMING_FIELD: {"prep": 1.5, "total": 20.0}}
     parsed = ChatCompletionChunk.model_validate(body)
@@ -90,7 +120,7 @@ def test_final_stream_chunk_with_usage_and_timings() -> None:
 
 
 def test_final_stream_chunk_without_usage_or_timings() -> None:
-    body = final_stream_chunk("completion", "cmpl-1", CREATED, MODEL, None, None)
+    body = COMPLETION.final_stream_chunk("cmpl-1", CREATED, MODEL, None, None)
     assert body == {"id": "cmpl-1", "object": "text_completion", "created": CREATED, "model": MODEL,
                     "choices": [], "usage": None}
     assert TIMING_FIELD not in body
@@ -105,7 +135,7 @@ CHOICES = [
 
 
 def test_full_chat_response_orders_choices_by_index() -> None:
-    body = full_response("chat", RID, CREATED, MODEL, CHOICES, usage(4, 3, cached_tokens=2))
+    body = CHAT.full_response(RID, CREATED, MODEL, CHOICES, usage(4, 3, cached_tokens=2))
     assert (body["id"], body["object"], body["created"], body["model"]) == (RID, "chat.completion", CREATED, MODEL)
     assert body["choices"] == [
         {"index": 0, "message": {"role": "assistant", "content": "a"}, "logprobs": {"content": []},
@@ -118,7 +148,7 @@ def test_full_chat_response_orders_choices_by_index() -> None:
 
 
 def test_full_completion_response() -> None:
-    body = full_response("completion", "cmpl-1", CREATED, MODEL, CHOICES[:2], usage(4, 2))
+    body = COMPLETION.full_response("cmpl-1", CREATED, MODEL, CHOICES[:2], usage(4, 2))
     assert body["object"] == "text_completion"
     assert body["choices"] == [
         {"index": 0, "text": "a", "logprobs": {"content": []}, "finish_reason": "stop"},
@@ -131,7 +161,7 @@ def test_full_completion_response() -> None:
 
 def test_full_chat_response_parses_in_the_official_client() -> None:
     choices = [c for c in CHOICES if c["finish_reason"] != "abort"]
-    parsed = ChatCompletion.model_validate(full_response("chat", RID, CREATED, MODEL, choices, usage(4, 3)))
+    parsed = ChatCompletion.model_validate(CHAT.full_response(RID, CREATED, MODEL, choices, usage(4, 3)))
     assert [c.message.content for c in parsed.choices] == ["a", "c"]
     assert parsed.usage.prompt_tokens_details.cached_tokens == 0
 
@@ -172,7 +202,7 @@ LPS = [TokenLogprob(1, -0.1, [(1, -0.1), (5, -2.5)]), TokenLogprob(3, -0.7, [(3,
 
 
 def test_chat_logprobs_shape_with_bytes() -> None:
-    out = LogprobFormatter(FakeTokenizer(VOCAB)).chat(LPS[:2])
+    out = CHAT.logprobs(LogprobFormatter(FakeTokenizer(VOCAB)), LPS[:2], 0)
     assert out == {"content": [
         {"token": "Hello", "logprob": -0.1, "bytes": list(b"Hello"),
          "top_logprobs": [{"token": "Hello", "logprob": -0.1, "bytes": list(b"Hello")},
@@ -181,7 +211,7 @@ def test_chat_logprobs_shape_with_bytes() -> None:
          "top_logprobs": [{"token": " wörld", "logprob": -0.7, "bytes": list(" wörld".encode())},
                           {"token": "é", "logprob": -1.0, "bytes": [195, 169]}]},
     ]}
-    chunk = stream_chunk("chat", RID, CREATED, MODEL, 0, "Hello wörld", first=True, logprobs=out)
+    chunk = CHAT.stream_chunk(RID, CREATED, MODEL, 0, "Hello wörld", first=True, logprobs=out)
     parsed = ChatCompletionChunk.model_validate(chunk).choices[0].logprobs
     assert [t.token for t in parsed.content] == ["Hello", " wörld"]
     assert parsed.content[1].top_logprobs[1].bytes == [195, 169]
@@ -189,12 +219,13 @@ def test_chat_logprobs_shape_with_bytes() -> None:
 
 def test_chat_logprobs_without_alternatives_and_empty() -> None:
     fmt = LogprobFormatter(FakeTokenizer(VOCAB))
-    assert fmt.chat([LPS[2]]) == {"content": [{"token": "!", "logprob": -0.01, "bytes": [33], "top_logprobs": []}]}
-    assert fmt.chat([]) == {"content": []}
+    assert CHAT.logprobs(fmt, [LPS[2]], 0) == {"content": [{"token": "!", "logprob": -0.01, "bytes": [33],
+                                                           "top_logprobs": []}]}
+    assert CHAT.logprobs(fmt, [], 0) == {"content": []}
 
 
 def test_completion_logprobs_with_text_offsets() -> None:
-    out = LogprobFormatter(FakeTokenizer(VOCAB)).completion(LPS[:2], text_offset=10)
+    out = COMPLETION.logprobs(LogprobFormatter(FakeTokenizer(VOCAB)), LPS[:2], 10)
     assert out == {
         "tokens": ["Hello", " wörld"],
         "token_logprobs": [-0.1, -0.7],
@@ -202,14 +233,14 @@ def test_completion_logprobs_with_text_offsets() -> None:
         # Offsets count characters of the text so far: 10, then 10 + len("Hello").
         "text_offset": [10, 15],
     }
-    parsed = Completion.model_validate(full_response("completion", "cmpl-1", CREATED, MODEL,
+    parsed = Completion.model_validate(COMPLETION.full_response("cmpl-1", CREATED, MODEL,
                                                      [{"index": 0, "text": "Hello wörld", "finish_reason": "stop",
                                                        "logprobs": out}], usage(1, 2)))
     assert parsed.choices[0].logprobs.text_offset == [10, 15]
 
 
 def test_completion_offsets_count_characters_not_bytes() -> None:
-    out = LogprobFormatter(FakeTokenizer(VOCAB)).completion(LPS, text_offset=0)
+    out = COMPLETION.logprobs(LogprobFormatter(FakeTokenizer(VOCAB)), LPS, 0)
     assert out["tokens"] == ["Hello", " wörld", "!"]
     assert out["token_logprobs"] == [-0.1, -0.7, -0.01]
     assert out["text_offset"] == [0, 5, 11]  # " wörld" is 6 characters (7 bytes)
@@ -217,23 +248,23 @@ def test_completion_offsets_count_characters_not_bytes() -> None:
 
 def test_completion_offsets_continue_across_calls() -> None:
     fmt = LogprobFormatter(FakeTokenizer(VOCAB))
-    first = fmt.completion(LPS[:1], text_offset=0)
-    second = fmt.completion(LPS[1:], text_offset=len("Hello"))
-    assert first["text_offset"] + second["text_offset"] == fmt.completion(LPS, text_offset=0)["text_offset"]
+    first = COMPLETION.logprobs(fmt, LPS[:1], 0)
+    second = COMPLETION.logprobs(fmt, LPS[1:], len("Hello"))
+    assert first["text_offset"] + second["text_offset"] == COMPLETION.logprobs(fmt, LPS, 0)["text_offset"]
 
 
 def test_token_strings_are_decoded_once_per_id() -> None:
     tok = FakeTokenizer(VOCAB)
     fmt = LogprobFormatter(tok)
-    fmt.chat(LPS)
-    fmt.completion(LPS, 0)
+    CHAT.logprobs(fmt, LPS, 0)
+    COMPLETION.logprobs(fmt, LPS, 0)
     assert tok.calls == len({1, 5, 3, 6, 4})
     assert fmt.token(6) == "é"
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_chunks_are_json_serialisable_as_framed(kind: str) -> None:
-    chunk = stream_chunk(kind, RID, CREATED, MODEL, 0, "x", first=True,
-                         logprobs=LogprobFormatter(FakeTokenizer(VOCAB)).chat(LPS[:1]) if kind == "chat" else None)
+    lps = CHAT.logprobs(LogprobFormatter(FakeTokenizer(VOCAB)), LPS[:1], 0) if kind == "chat" else None
+    chunk = renderer(kind).stream_chunk(RID, CREATED, MODEL, 0, "x", first=True, logprobs=lps)
     (event,) = decode(sse_event(chunk, event_id=4))
     assert json.loads(event.data) == chunk

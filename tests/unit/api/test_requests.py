@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from stages.errors import InvalidRequestError
+from stages.api.max_tokens import UNRESOLVED, MaxTokens
 from stages.api.requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -17,6 +17,7 @@ from stages.api.requests import (
     parse_request,
     to_sampling_params,
 )
+from stages.errors import InvalidRequestError
 from stages.transport.messages import SamplingParams
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -201,7 +202,8 @@ def test_nulls_mean_defaults() -> None:
     )
     req = parse_request(ChatCompletionRequest, chat(**nulls))
     assert req.n == 1 and req.temperature == 1.0 and req.stop == [] and req.logprobs is False
-    assert to_sampling_params(req, default_max_tokens=7) == SamplingParams(max_tokens=7)
+    assert to_sampling_params(req) == SamplingParams(max_tokens=UNRESOLVED)
+    assert req.max_tokens_rule(0) == MaxTokens(None, "max_tokens", 0)
 
 
 def test_unknown_fields_ignored() -> None:
@@ -280,16 +282,22 @@ def test_tokenize_and_detokenize() -> None:
     assert parse_request(DetokenizeRequest, b'{"tokens": [1, 2], "model": "m"}').tokens == [1, 2]
 
 
-# --- to_sampling_params -------------------------------------------------------------------------
+# --- to_sampling_params and max_tokens_rule -----------------------------------------------------
+
+
+def _resolved(req: ChatCompletionRequest | CompletionRequest, room: int = 99) -> int:
+    return req.max_tokens_rule(0).resolve(1, room + 1, prompt_param="messages")
 
 
 def test_max_completion_tokens_wins() -> None:
     req = parse_request(ChatCompletionRequest, chat(max_tokens=10, max_completion_tokens=20))
-    assert to_sampling_params(req, default_max_tokens=99).max_tokens == 20
+    assert _resolved(req) == 20 and req.max_tokens_rule(0).field == "max_completion_tokens"
     req = parse_request(ChatCompletionRequest, chat(max_tokens=10))
-    assert to_sampling_params(req, default_max_tokens=99).max_tokens == 10
+    assert _resolved(req) == 10 and req.max_tokens_rule(0).field == "max_tokens"
     req = parse_request(ChatCompletionRequest, chat())
-    assert to_sampling_params(req, default_max_tokens=99).max_tokens == 99
+    assert _resolved(req) == 99
+    # Only Preprocess resolves it: the parsed request's params carry the placeholder the engine refuses.
+    assert to_sampling_params(req).max_tokens == UNRESOLVED
 
 
 def test_full_mapping() -> None:
@@ -312,9 +320,10 @@ def test_full_mapping() -> None:
             max_tokens=5,
         ),
     )
-    sp = to_sampling_params(req, default_max_tokens=100)
+    sp = to_sampling_params(req)
+    assert req.max_tokens_rule(0).requested == 5
     assert sp == SamplingParams(
-        max_tokens=5,
+        max_tokens=UNRESOLVED,
         temperature=0.0,
         top_p=0.9,
         top_k=0,
@@ -332,7 +341,7 @@ def test_full_mapping() -> None:
     )
     assert sp.greedy and sp.has_penalties
     assert (
-        to_sampling_params(parse_request(CompletionRequest, comp(top_k=40)), default_max_tokens=1).top_k == 40
+        to_sampling_params(parse_request(CompletionRequest, comp(top_k=40))).top_k == 40
     )
 
 
@@ -349,13 +358,13 @@ def test_full_mapping() -> None:
 )
 def test_chat_logprobs_mapping(fields: dict[str, Any], expected: int | None) -> None:
     req = parse_request(ChatCompletionRequest, chat(**fields))
-    assert to_sampling_params(req, default_max_tokens=1).logprobs == expected
+    assert to_sampling_params(req).logprobs == expected
 
 
 @pytest.mark.parametrize(("logprobs", "expected"), [(None, None), (0, 0), (5, 5), (20, 20)])
 def test_completion_logprobs_mapping(logprobs: int | None, expected: int | None) -> None:
     req = parse_request(CompletionRequest, comp(logprobs=logprobs))
-    assert to_sampling_params(req, default_max_tokens=1).logprobs == expected
+    assert to_sampling_params(req).logprobs == expected
 
 
 # --- the official client's bodies ---------------------------------------------------------------
@@ -414,8 +423,8 @@ def test_official_client_bodies_parse() -> None:
     r = parse_request(ChatCompletionRequest, chat1)
     assert r.stream and r.include_usage and r.temperature == 1.0
     r = parse_request(ChatCompletionRequest, chat2)
-    sp = to_sampling_params(r, default_max_tokens=50)
-    assert (sp.max_tokens, sp.logprobs) == (3, 2)
+    sp = to_sampling_params(r)
+    assert (r.max_tokens_rule(0).requested, sp.logprobs) == (3, 2)
     assert parse_request(CompletionRequest, comp1).prompt == "hi"
     r = parse_request(CompletionRequest, comp2)
-    assert r.prompt == [1, 2, 3] and to_sampling_params(r, default_max_tokens=1).logprobs == 2
+    assert r.prompt == [1, 2, 3] and to_sampling_params(r).logprobs == 2

@@ -9,8 +9,13 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
+from stages.api.tool_calls import (
+    ToolCallStreamParser,
+    forcing_grammar,
+    parse_tool_calls,
+    template_supports_tools,
+)
 from stages.errors import InvalidRequestError
-from stages.api.tool_calls import ToolCallStreamParser, forcing_grammar, parse_tool_calls, template_supports_tools
 from tests.conftest import ServeApp
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather", "parameters": {

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from stages.engine.core.errors import EngineDeadError
-from stages.ingress.lifecycle import Lifecycle, LiveRequest, mint_request_id
+from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome, mint_request_id
 from stages.ingress.sse import relay, sse_response
 from stages.transport.messages import (
     AbortRequest,
@@ -112,6 +112,20 @@ async def drive(response: Any, *, disconnect_after: float | None = None, block_s
 def test_minted_ids_are_unique_and_hyphen_free():
     ids = {mint_request_id() for _ in range(10_000)}
     assert len(ids) == 10_000 and not any("-" in i for i in ids)
+
+
+def test_outcomes_read_as_the_log_and_metric_values_they_always_were():
+    """Log lines and the ``reason`` label of ``request_aborted_total`` stay byte-identical."""
+    import json
+
+    assert [str(o) for o in Outcome] == ["ok", "cancelled", "client_gone", "timeout", "slow_reader", "error"]
+    assert json.dumps({"outcome": Outcome.CLIENT_GONE}) == '{"outcome": "client_gone"}'
+    assert f"{Outcome.SLOW_READER}" == "slow_reader" and Outcome.OK == "ok"
+    lc = Lifecycle("ingress-a")
+    live = lc.open("chat", FakeSpan())
+    assert live.outcome is Outcome.OK
+    lc.close(live, Outcome.TIMEOUT)
+    assert live.outcome == "timeout"
 
 
 def test_complete_stream_closes_once_with_ok_and_never_cancels():

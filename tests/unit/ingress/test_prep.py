@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from stages.api.max_tokens import MaxTokens
 from stages.errors import ContextLengthExceededError
 from stages.ingress.prep import Prep
 from stages.model_info import EMBEDDED_MODEL
@@ -55,7 +56,7 @@ def reference() -> Preprocessor:
 
 
 def _chat(rid: str, text: str, **fields: Any) -> PreprocessRequest:
-    return PreprocessRequest(rid, SamplingParams(), 8, messages=[{"role": "user", "content": text}], **fields)
+    return PreprocessRequest(rid, SamplingParams(), MaxTokens(8), messages=[{"role": "user", "content": text}], **fields)
 
 
 def _run(prep: Prep, req: PreprocessRequest) -> EngineRequest:
@@ -72,8 +73,8 @@ def test_a_short_plain_request_is_prepared_here_exactly_as_the_stage_would(refer
     stage, counted = FakeStage(reference), []
     prep = Prep(stage, EMBEDDED_MODEL, 0, None, LIMIT, counted.append)
     for req in (_chat("c", "Name a colour.", bad_words=["red"]),
-                PreprocessRequest("p", SamplingParams(), None, prompt="Once upon a time"),
-                PreprocessRequest("t", SamplingParams(), 4, prompt=[1, 2, 3])):
+                PreprocessRequest("p", SamplingParams(), MaxTokens(), prompt="Once upon a time"),
+                PreprocessRequest("t", SamplingParams(), MaxTokens(4), prompt=[1, 2, 3])):
         _same(_run(prep, req), reference.process(req))
     assert stage.got == [] and counted == ["ingress"] * 3
 
@@ -84,7 +85,7 @@ def test_long_constrained_or_tool_requests_go_to_the_stage(reference: Preprocess
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     _run(prep, _chat("at-limit", "x" * LIMIT))
     _run(prep, _chat("long", "x" * (LIMIT + 1)))
-    _run(prep, PreprocessRequest("long-prompt", SamplingParams(), 4, prompt="y" * (LIMIT + 1)))
+    _run(prep, PreprocessRequest("long-prompt", SamplingParams(), MaxTokens(4), prompt="y" * (LIMIT + 1)))
     _run(prep, _chat("json", "hi", structured=StructuredOutputSpec("json_object", "")))
     _run(prep, _chat("tools", "hi", tools=tools))
     assert stage.got == ["long", "long-prompt", "json", "tools"]
@@ -104,9 +105,9 @@ def test_the_engines_context_length_applies_inline(reference: Preprocessor) -> N
     prep = Prep(stage, EMBEDDED_MODEL, 0, directory, LIMIT)
     n = len(reference.process(_chat("n", "Name a colour.")).prompt_token_ids)
     with pytest.raises(ContextLengthExceededError):
-        _run(prep, PreprocessRequest("r", SamplingParams(), 40 - n + 1,
+        _run(prep, PreprocessRequest("r", SamplingParams(), MaxTokens(40 - n + 1),
                                      messages=[{"role": "user", "content": "Name a colour."}]))
-    out = _run(prep, PreprocessRequest("ok", SamplingParams(), None,
+    out = _run(prep, PreprocessRequest("ok", SamplingParams(), MaxTokens(),
                                        messages=[{"role": "user", "content": "Name a colour."}]))
     assert out.sampling_params.max_tokens == 40 - n  # the room the engines' length leaves
     assert stage.got == []
@@ -118,7 +119,7 @@ def test_a_directory_that_does_not_answer_keeps_the_last_known_length(reference:
     class SilentDirectory:
         max_model_len = _Call(lambda: asyncio.sleep(3600))
 
-    from stages.preprocess.preprocessor import preprocessor
+    from stages.preprocess import preprocessor as preprocess
 
     prep = Prep(FakeStage(reference), EMBEDDED_MODEL, 0, SilentDirectory(), LIMIT)
     saved, preprocess.LIMIT_TIMEOUT_S = preprocess.LIMIT_TIMEOUT_S, 0.05

@@ -11,11 +11,11 @@ import time
 import llguidance
 import pytest
 
-from tests.grammar_schemas import LARGE, SMALL
 from stages.errors import InvalidRequestError
-from stages.preprocess.grammar import ByteLRU, GrammarCompiler, GrammarLimits
 from stages.model_info import load_cpu_tokenizer, model_info
+from stages.preprocess.grammar import ByteLRU, GrammarCompiler, GrammarLimits
 from stages.transport.messages import GrammarSpec, StructuredOutputSpec
+from tests.grammar_schemas import LARGE, SMALL
 
 MODEL = "embedded:smollm2-135m-instruct"
 
@@ -148,17 +148,18 @@ def test_key_depends_on_tokenizer(compiler: GrammarCompiler, tokenizer) -> None:
 
 
 def test_preprocess_tokenises_bad_words_and_checks_token_ids() -> None:
+    from stages.api.max_tokens import MaxTokens
     from stages.preprocess.preprocessor import Preprocessor
     from stages.transport.messages import PreprocessRequest, SamplingParams
 
     pre = Preprocessor(MODEL)
     msgs = [{"role": "user", "content": "hi"}]
-    out = pre.process(PreprocessRequest("r", SamplingParams(), 8, messages=msgs, bad_words=["hello world"]))
+    out = pre.process(PreprocessRequest("r", SamplingParams(), MaxTokens(8), messages=msgs, bad_words=["hello world"]))
     seqs = out.sampling_params.bad_words_token_ids
     assert pre.encode("hello world", add_special_tokens=False) in seqs
     assert pre.encode(" hello world", add_special_tokens=False) in seqs
     for field, params in (("logit_bias", SamplingParams(logit_bias={pre.model_vocab_size: 1.0})),
                           ("allowed_token_ids", SamplingParams(allowed_token_ids=[1, 10**6]))):
         with pytest.raises(InvalidRequestError) as err:
-            pre.process(PreprocessRequest("r", params, 8, messages=msgs))
+            pre.process(PreprocessRequest("r", params, MaxTokens(8), messages=msgs))
         assert err.value.param == field

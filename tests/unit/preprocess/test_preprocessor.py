@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from stages.api.max_tokens import MaxTokens
 from stages.errors import ContextLengthExceededError, InvalidRequestError
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer
 from stages.preprocess.preprocessor import Preprocessor
@@ -71,9 +72,10 @@ def smol(request: pytest.FixtureRequest, smol_tokenizer) -> Preprocessor:
     return Preprocessor(EMBEDDED_MODEL, tokenizer=smol_tokenizer)
 
 
-def _req(*, messages=None, prompt=None, max_tokens=None, n=1, params=None, **kw) -> PreprocessRequest:
+def _req(*, messages=None, prompt=None, max_tokens=None, n=1, params=None, max_tokens_rule=None,
+         **kw) -> PreprocessRequest:
     return PreprocessRequest(request_id="r1", sampling_params=params or SamplingParams(),
-                             requested_max_tokens=max_tokens, messages=messages, prompt=prompt, n=n, **kw)
+                             max_tokens=max_tokens_rule or MaxTokens(max_tokens), messages=messages, prompt=prompt, n=n, **kw)
 
 
 def _user(text: str) -> list[dict[str, str]]:
@@ -204,6 +206,15 @@ def test_a_lowered_limit_is_enforced(tiny_dir: Path) -> None:
 
 
 # -- process: text and token-id prompts ---------------------------------------------------------------
+def test_the_operators_limit_caps_an_open_ask(tiny: Preprocessor) -> None:
+    """``http.max_tokens_limit`` travels with the request; an open ask stops there, not at the context."""
+    out = tiny.process(_req(prompt="hello world", max_tokens_rule=MaxTokens(limit=4)))
+    assert out.sampling_params.max_tokens == 4
+    with pytest.raises(InvalidRequestError) as info:
+        tiny.process(_req(prompt="hello world", max_tokens_rule=MaxTokens(5, "max_completion_tokens", limit=4)))
+    assert info.value.param == "max_completion_tokens"
+
+
 def test_text_prompt_gets_the_tokenizers_special_tokens(tiny: Preprocessor) -> None:
     out = tiny.process(_req(prompt="hello world", max_tokens=4))
     assert out.prompt_token_ids == [TINY["<s>"], TINY["hello"], TINY["world"]]

@@ -13,11 +13,13 @@ from typing import Any
 
 import pytest
 
-from stages.transport.chunking import join_reply
+from stages.api.max_tokens import MaxTokens
 from stages.model_info import EMBEDDED_MODEL
-from stages.preprocess.preprocessor import INLINE_MAX_INPUT, PreprocessDeployment, input_size
-from stages.transport.messages import PreprocessRequest, SamplingParams
+from stages.preprocess.deployment import INLINE_MAX_INPUT, PreprocessDeployment
+from stages.preprocess.preprocessor import input_size
 from stages.tokenizer import GIL_FREE_ENCODE_CHARS
+from stages.transport.chunking import join_reply
+from stages.transport.messages import PreprocessRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +30,7 @@ def pre() -> Iterator[Any]:
 
 
 def _request(text: str) -> PreprocessRequest:
-    return PreprocessRequest("r", SamplingParams(), 1, messages=[{"role": "user", "content": text}])
+    return PreprocessRequest("r", SamplingParams(), MaxTokens(1), messages=[{"role": "user", "content": text}])
 
 
 def test_long_texts_encode_to_the_same_ids(pre: Any) -> None:
