@@ -129,7 +129,7 @@ def stage_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
     subtracted. Not the look-back mean: Serve's own count and a custom metric are averaged over
     different spans (measured: 33 requests against 0.2 attaches in the first seconds of a load of
     32 streams), and the attach count only changes when an Ingress replica comes or goes. Jobs
-    admitted in batches (:mod:`stages.transport.admission`) are not Serve requests once their admission call
+    admitted in batches (:mod:`stages.transport.producer`) are not Serve requests once their admission call
     has returned: the replicas report them too, and they are added. Serve then applies the bounds,
     scaling factors and delays as it does for its own policy."""
     running = ctx.current_num_replicas

@@ -8,18 +8,14 @@ through to the client.
 What Ingress receives is typed (:mod:`stages.transport.messages`): a :class:`StreamStart` once the engine has
 accepted the request (with the engine replica that runs it, for cancel by id), one
 :class:`StreamFrame` per SSE event, and a :class:`StreamSummary` (holding the whole body when the
-client did not stream). Both hops use the shared channels of :mod:`stages.transport.channel` by default: the
-engine's tokens arrive in one item per step for all of this replica's requests, and the frames go
-to each Ingress replica in one item for all of its requests. Requests come and go in batches
-(:mod:`stages.transport.admission`, in :mod:`stages.egress.deployment`): Ingress's streamed jobs arrive in
-``submit`` calls, each job then runs as a task of its own (``cancel`` ends one by id), and the
-engine requests of one loop turn leave in one ``submit`` call to the engine, whose reply carries
-their acceptances.
+client did not stream). How requests and items cross replicas is the transport's
+(:mod:`stages.transport`, wired up in :mod:`stages.egress.deployment`); this module sees an engine
+stream per request and yields that request's items.
 
 Abort paths that start here: a stop string found in one choice's text (the engine cannot see
 text) aborts that choice alone, by id, on the engine replica that runs it; the caller going away
-(cancellation arrives as ``CancelledError``, or as a ``cancel`` by id for a batch-admitted job)
-closes the engine stream, which aborts every choice.
+(its job is ended by id, which cancels it here) closes the engine stream, which aborts every
+choice.
 
 A full engine queue (429) is retried on another engine replica before the client sees it: the
 refusing replica goes into ``avoid_replicas`` and the router tries the others first.

@@ -260,7 +260,7 @@ class Ingress:
                 return self._stream(gen, job, live)
             return await self._complete(gen, job, live)
         except BaseException as exc:
-            if gen is not None:  # started: ending it is cancelling it (before that, dispatch undid it)
+            if gen is not None:  # started: ending it is cancelling it (before that, start() undid it)
                 gen.cancel()
             if isinstance(exc, asyncio.CancelledError):
                 self.lifecycle.close(live, Outcome.CLIENT_GONE)

@@ -145,9 +145,9 @@ CloseHook = Callable[[LiveRequest, Any, "dict[str, float] | None"], None]
 
 
 #: Seconds the directory sync waits after the first change before it goes out. A sync is a Serve
-#: call on this replica's loop; sent at once, it went out between a request's arrival and its Egress
-#: call, and that call left 1.5 ms later (hop probes, BENCHMARKS round 7). Waiting puts it in the
-#: idle time of the prefill, and batches everything that changed meanwhile into one call. A cancel
+#: call on this replica's loop; sent at once, it would go out between a request's arrival and its
+#: Egress call and delay that call. Waiting puts it in the idle time of the prefill, and batches
+#: everything that changed meanwhile into one call. A cancel
 #: by id sent to another replica within this long of the request's arrival may not find it yet.
 #: Removals do not wait (:meth:`Lifecycle._pause`).
 SYNC_DELAY_S = 0.02
