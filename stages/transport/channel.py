@@ -100,6 +100,8 @@ class _Mailbox:
     attach_seq: int = 0
     #: Attach streams open on it now.
     attached: int = 0
+    #: Bumped whenever it becomes unclaimed or claimed again: only the newest expiry may drop it.
+    expiry_seq: int = 0
 
 
 class ChannelHub:
@@ -124,7 +126,9 @@ class ChannelHub:
 
     def open(self, consumer: str) -> None:
         """A request of ``consumer`` starts sending its tokens through the channel."""
-        self._boxes.setdefault(consumer, _Mailbox()).live += 1
+        box = self._boxes.setdefault(consumer, _Mailbox())
+        box.live += 1
+        box.expiry_seq += 1
 
     def close(self, consumer: str) -> None:
         """That request ended (its items are all pushed). A mailbox left with no live request and
@@ -134,10 +138,13 @@ class ChannelHub:
             box.live -= 1
             box.event.set()  # an idle attach starts its linger
             if box.live <= 0 and not box.attached:
-                asyncio.get_running_loop().call_later(self.unclaimed_ttl_s, self._expire, consumer, box)
+                box.expiry_seq += 1
+                asyncio.get_running_loop().call_later(self.unclaimed_ttl_s, self._expire, consumer, box,
+                                                      box.expiry_seq)
 
-    def _expire(self, consumer: str, box: _Mailbox) -> None:
-        if self._boxes.get(consumer) is box and box.live <= 0 and not box.attached:
+    def _expire(self, consumer: str, box: _Mailbox, seq: int) -> None:
+        if (self._boxes.get(consumer) is box and box.expiry_seq == seq and box.live <= 0
+                and not box.attached):
             del self._boxes[consumer]
 
     def push(self, consumer: str, outs: list[Any]) -> None:
@@ -168,6 +175,7 @@ class ChannelHub:
         seq = box.attach_seq
         self.attaches += 1
         box.attached += 1
+        box.expiry_seq += 1
         try:
             yield ChannelBatch(self.replica, [])
             while box.attach_seq == seq:

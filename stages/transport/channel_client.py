@@ -192,9 +192,13 @@ class ChannelClient:
     def num_attached(self) -> int:
         return sum(1 for t in self._tasks.values() if not t.done())
 
-    def settle(self, request_id: str) -> None:
-        """``request_id`` needs no abort from here (its owner ended it): its late items are dropped."""
+    def settle(self, request_id: str) -> bool:
+        """``request_id`` needs no abort from here (its owner ends it): its late items are dropped.
+        False when it was settled already (it has been aborted, or it ended)."""
+        if request_id in self._settled:
+            return False
         self._settle(request_id)
+        return True
 
     def _settle(self, request_id: str) -> None:
         self._settled[request_id] = None

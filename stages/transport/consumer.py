@@ -93,9 +93,9 @@ class Consumer:
         """Accepted after its caller gave up on it: end it there (once: its stray items are not
         aborted again)."""
         ids = item.choice_ids() if isinstance(item, EngineRequest) else [item.engine_request.request_id]
-        for request_id in ids:
-            self.client.settle(request_id)
-        self.abort(_replica_of(accepted), ids)
+        ids = [request_id for request_id in ids if self.client.settle(request_id)]
+        if ids:
+            self.abort(_replica_of(accepted), ids)
 
 
 def admission_key(item: Any) -> Hashable:

@@ -1,4 +1,5 @@
-"""Batched admission (stages/transport/admission.py), without Ray: the caller's queue and the callee's streams."""
+"""Batched admission without Ray: the caller's queue (stages/transport/admission.py) and the callee's
+jobs (stages/transport/producer.py, which replaced ``AdmittedStreams``)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,22 @@ from typing import Any
 
 import pytest
 
-from stages.transport.admission import AdmissionQueue, AdmittedStreams, fire_and_forget
+from stages.transport.admission import AdmissionQueue, fire_and_forget
 from stages.transport.channel import merge_channel_items
-from stages.transport.channel_client import ChannelClient, FrameStream
-from stages.transport.messages import Admission, ChannelBatch, EngineOutput, RoutedError, StreamSummary
+from stages.transport.channel_client import ChannelClient
+from stages.transport.consumer import Consumer
+from stages.transport.messages import Admission, AdmissionBatch, ChannelBatch, EngineOutput, RoutedError
+from stages.transport.producer import Job, Producer
+from tests.unit.transport.fakes import (
+    END,
+    FakeEgress,
+    FakeHandle,
+    assert_no_leaks,
+    generation_job,
+    lost,
+    summary,
+    wait_until,
+)
 
 REQUEST = contextvars.ContextVar("REQUEST", default="")
 
@@ -153,7 +166,7 @@ async def test_wait_for_timeout_cancels_the_future_and_the_late_acceptance_is_or
     assert orphans == ["slow"]
 
 
-# -- the callee's side ---------------------------------------------------------------------------------
+# -- the callee's side (Producer; these were AdmittedStreams' tests) ------------------------------------
 async def _stream(items: list[Any], error: BaseException | None = None, log: list[str] | None = None,
                   gate: asyncio.Event | None = None) -> AsyncIterator[Any]:
     try:
@@ -168,46 +181,80 @@ async def _stream(items: list[Any], error: BaseException | None = None, log: lis
             log.append("finally")
 
 
+async def _nobody_gone(names: list[str]) -> list[str]:
+    return []
+
+
+def _producer() -> Producer:
+    producer = Producer("p1", is_gone=_nobody_gone, watch_period_s=0.01)
+    producer.hub.linger_s = 0.05
+    return producer
+
+
+def _job(key: str, stream: AsyncIterator[Any]) -> Job:
+    """A job whose later items go to the mailbox of consumer ``c1`` as they are."""
+    return Job(key, "c1", stream, wrap=lambda item: [item])
+
+
+async def _admit(producer: Producer, key: str, stream: AsyncIterator[Any]) -> Admission:
+    """One request admitted alone (a batch of one)."""
+    [answer] = await producer.submit(AdmissionBatch([key]), lambda k: _job(k, stream))
+    return answer
+
+
+async def _mailbox(producer: Producer, consumer: str = "c1") -> list[Any]:
+    """Everything waiting in ``consumer``'s mailbox, read through its attach."""
+    items: list[Any] = []
+    stream = producer.attach(consumer)
+    assert (await anext(stream)).items == []  # the hello
+    while producer.hub.num_pending():
+        items += (await asyncio.wait_for(anext(stream), 1)).items
+    await stream.aclose()
+    return items
+
+
 @run_async
 async def test_admit_answers_with_the_first_item_and_hands_on_the_rest() -> None:
-    streams = AdmittedStreams()
-    rest: list[Any] = []
-    failed: list[BaseException] = []
+    producer = _producer()
     gate = asyncio.Event()
-    answer = await streams.admit("r1", _stream(["start", "x", "y"], gate=gate), rest.append, failed.append)
-    assert answer == Admission(item="start") and len(streams) == 1
+    answer = await _admit(producer, "r1", _stream(["start", "x", "y"], gate=gate))
+    assert answer == Admission(item="start") and len(producer) == 1
     gate.set()
-    while len(streams):
+    while len(producer):
         await asyncio.sleep(0)
-    assert rest == ["x", "y"] and failed == []
+    assert await _mailbox(producer) == ["x", "y"]  # the rest, in the consumer's mailbox; no failure
+    await assert_no_leaks([], [])
+    assert len(producer.hub) == 0 and len(producer.consumers) == 0
 
 
 @run_async
 async def test_an_error_before_the_first_item_is_the_answer_and_after_it_a_failure() -> None:
-    streams = AdmittedStreams()
-    failed: list[BaseException] = []
-    refused = await streams.admit("r1", _stream([], error=KeyError("full")), list().append, failed.append)
+    producer = _producer()
+    refused = await _admit(producer, "r1", _stream([], error=KeyError("full")))
     assert isinstance(refused.error, KeyError) and refused.item is None
-    accepted = await streams.admit("r2", _stream(["start"], error=OSError("lost")), list().append, failed.append)
+    accepted = await _admit(producer, "r2", _stream(["start"], error=OSError("lost")))
     assert accepted.item == "start"
-    while len(streams):
+    while len(producer):
         await asyncio.sleep(0)
-    assert [type(e) for e in failed] == [OSError]
-    empty = await streams.admit("r3", _stream([]), list().append, failed.append)
+    failed = [i for i in await _mailbox(producer) if isinstance(i, RoutedError)]
+    assert [(f.request_id, type(f.error)) for f in failed] == [("r2", OSError)]
+    empty = await _admit(producer, "r3", _stream([]))
     assert isinstance(empty.error, RuntimeError)
 
 
 @run_async
 async def test_cancel_runs_the_streams_finally_and_unknown_ids_are_ignored() -> None:
-    streams = AdmittedStreams()
+    producer = _producer()
     log: list[str] = []
     never = asyncio.Event()
-    answer = await streams.admit("r1", _stream(["start", "x"], log=log, gate=never), list().append, list().append)
+    answer = await _admit(producer, "r1", _stream(["start", "x"], log=log, gate=never))
     assert answer.item == "start"
-    assert streams.cancel("r1") and not streams.cancel("nope")
-    while len(streams):
+    assert producer._cancel_tasks(["nope"]) == 0  # the default end: unknown ids are ignored
+    producer.end(["r1", "nope"])
+    while len(producer):
         await asyncio.sleep(0)
     assert log == ["finally"]
+    assert producer._cancel_tasks(["r1"]) == 0, "an ended request is unknown"
 
 
 @run_async
@@ -252,50 +299,61 @@ async def test_a_routed_error_fails_the_request_after_the_outputs_before_it() ->
 
 @run_async
 async def test_a_batch_admitted_frame_stream_cancels_once_and_not_after_its_summary() -> None:
-    async def attach(replica: str) -> AsyncIterator[ChannelBatch]:
-        yield ChannelBatch(replica, [])
-        await asyncio.Event().wait()
-
-    client = ChannelClient(attach, lambda r: RuntimeError(r))
-    cancels: list[str] = []
-    inbox = client.register_frames("r1")
-    stream = FrameStream(None, inbox, client, "g1", on_cancel=lambda: cancels.append("r1"))
+    """Now a :class:`~stages.transport.consumer.FrameCall`: its cancel is an abort by id to the
+    Egress replica that accepted it, sent once; after the summary nothing is left to cancel."""
+    egress = FakeEgress("g1")
+    handle = FakeHandle([egress])
+    consumer = Consumer(handle, "ingress-1", lost)
+    stream = consumer.open_frames(generation_job("r1"))
+    await stream.start(2)
     stream.cancel()
     stream.cancel()
-    assert cancels == ["r1"]
+    await wait_until(lambda: egress.finally_ran == ["r1"])
+    assert [(a.replica, a.request_ids) for a, _ in handle.log.aborts] == [("g1", ["r1"])]
+    assert egress.ended == [["r1"]]
 
-    done = client.register_frames("r2")
-    finished = FrameStream(None, done, client, "g1", on_cancel=lambda: cancels.append("r2"))
-    summary = StreamSummary(1, 1, 0, ["stop"], {}, 0.0)
-    done.push(type("F", (), {"item": summary, "error": None})())
-    assert await finished.__anext__() is summary
+    finished = consumer.open_frames(generation_job("r2"))
+    await finished.start(2)
+    egress.send("r2", summary(), END)
+    assert await asyncio.wait_for(finished.__anext__(), 2) == summary()
     finished.cancel()  # the request has ended in Egress: nothing to cancel
-    assert cancels == ["r1"]
+    assert [(a.replica, a.request_ids) for a, _ in handle.log.aborts] == [("g1", ["r1"])]
+    await assert_no_leaks([consumer], [egress])
 
 
 @run_async
 async def test_a_stream_cancelled_before_it_ever_ran_answers_instead_of_hanging() -> None:
-    streams = AdmittedStreams()
-    admit = asyncio.create_task(streams.admit("r1", _stream(["start"]), list().append, list().append))
-    await asyncio.sleep(0)  # admit has created the stream's task, which has not run yet
-    assert streams.cancel("r1")
+    producer = _producer()
+    ran: list[str] = []
+
+    async def stream() -> AsyncIterator[Any]:
+        ran.append("ran")
+        yield "start"
+
+    admit = asyncio.create_task(_admit(producer, "r1", stream()))
+    while not len(producer):  # admit has created the job's task, which has not run yet
+        await asyncio.sleep(0)
+    assert ran == []
+    producer.end(["r1"])
     answer = await asyncio.wait_for(admit, 1.0)
-    assert isinstance(answer.error, RuntimeError) and len(streams) == 0
+    assert isinstance(answer.error, RuntimeError) and len(producer) == 0 and ran == []
 
 
 @run_async
 async def test_a_lost_channel_still_lets_the_frame_stream_cancel_the_job() -> None:
     """A channel that failed (attach error, Egress replica looks gone) is not the job ending in
     Egress: cancelling afterwards still sends the cancel (a no-op if Egress is really gone)."""
-    async def attach(replica: str) -> AsyncIterator[ChannelBatch]:
-        yield ChannelBatch(replica, [])
-        raise ConnectionError("attach failed")
-
-    client = ChannelClient(attach, lambda r: RuntimeError(r))
-    cancels: list[str] = []
-    inbox = client.register_frames("r1")
-    stream = FrameStream(None, inbox, client, "g1", on_cancel=lambda: cancels.append("r1"))
+    egress = FakeEgress("g1")
+    handle = FakeHandle([egress])
+    handle.attach_error = ConnectionError("attach failed")
+    consumer = Consumer(handle, "ingress-1", lost)
+    stream = consumer.open_frames(generation_job("r1"))
+    await stream.start(2)
     with pytest.raises(ConnectionError):
-        await stream.__anext__()
+        await asyncio.wait_for(stream.__anext__(), 2)
+    assert not stream.finished
     stream.cancel()
-    assert cancels == ["r1"]
+    await wait_until(lambda: egress.finally_ran == ["r1"])
+    assert [(a.replica, a.request_ids) for a, _ in handle.log.aborts] == [("g1", ["r1"])]
+    # (no leak check here: the failed attach leaves the consumer's empty mailbox behind, see
+    # test_producer.py::test_a_mailbox_no_attach_drains_is_not_kept_after_its_requests_end)

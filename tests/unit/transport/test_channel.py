@@ -11,8 +11,25 @@ from typing import Any
 import pytest
 
 from stages.transport.channel import MAX_BATCH_ITEMS, ChannelHub, merge_group
-from stages.transport.channel_client import ChannelClient, FrameStream, Inbox
-from stages.transport.messages import ChannelBatch, EngineOutput, RoutedFrame, StreamFrame, StreamSummary
+from stages.transport.channel_client import ChannelClient, Inbox
+from stages.transport.consumer import Consumer
+from stages.transport.messages import (
+    ChannelBatch,
+    EngineOutput,
+    RoutedError,
+    RoutedFrame,
+    StreamFrame,
+    StreamSummary,
+)
+from tests.unit.transport import fakes
+from tests.unit.transport.fakes import (
+    END,
+    FakeEgress,
+    FakeHandle,
+    assert_no_leaks,
+    generation_job,
+    wait_until,
+)
 
 
 class LostError(Exception):
@@ -252,28 +269,6 @@ def test_inbox_counts_choices_finished_on_the_acceptance_item():
 
 
 # -- the Egress → Ingress frame channel -----------------------------------------------------------
-class FakeControl:
-    """A request's own stream as Ingress holds it: nothing comes; ``cancel`` ends it."""
-
-    def __init__(self, error: BaseException | None = None) -> None:
-        self.cancelled = False
-        self.error = error
-        self._ended = asyncio.Event()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        self._ended.set()
-
-    def __aiter__(self) -> FakeControl:
-        return self
-
-    async def __anext__(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        await self._ended.wait()
-        raise StopAsyncIteration
-
-
 def frame(rid: str, text: str) -> RoutedFrame:
     return RoutedFrame(rid, StreamFrame(text, 0, 1, None))
 
@@ -284,49 +279,66 @@ def summary(rid: str) -> RoutedFrame:
 
 @run_async
 async def test_frames_of_many_requests_share_one_batch_and_keep_their_order():
-    hub = ChannelHub("egress-A", linger_s=0.05)  # frames are not merged
-    client, attaches = wire(hub, consumer="ingress-1")
-    inboxes = {rid: client.register_frames(rid) for rid in ("r1", "r2")}
-    streams = {}
-    for rid, inbox in inboxes.items():
-        hub.open("ingress-1")
-        streams[rid] = FrameStream(FakeControl(), inbox, client, "egress-A")
+    """Read through :class:`~stages.transport.consumer.FrameCall` (which replaced ``FrameStream``),
+    from a real producer (:class:`~stages.transport.producer.Producer`) behind a fake handle."""
+    egress = FakeEgress("egress-A")  # frames are not merged
+    handle = FakeHandle([egress])
+    consumer = Consumer(handle, "ingress-1", LostError)
+    streams = {rid: consumer.open_frames(generation_job(rid)) for rid in ("r1", "r2")}
+    for stream in streams.values():
+        await asyncio.wait_for(stream.start(), 2)
     for i in range(3):
-        hub.push("ingress-1", [frame("r1", f"a{i}"), frame("r2", f"b{i}")])
-    hub.push("ingress-1", [summary("r1"), summary("r2")])
+        egress.send("r1", fakes.frame(f"a{i}"))
+        egress.send("r2", fakes.frame(f"b{i}"))
+    egress.send("r1", fakes.summary(), END)
+    egress.send("r2", fakes.summary(), END)
     for rid, prefix in (("r1", "a"), ("r2", "b")):
         got = [await asyncio.wait_for(anext(streams[rid]), 2) for _ in range(4)]
-        assert [g.data for g in got[:3]] == [f"{prefix}{i}" for i in range(3)]
+        assert [g.data for g in got[:3]] == [f"data: {prefix}{i}\n\n" for i in range(3)]
         assert isinstance(got[3], StreamSummary)
-    assert attaches == ["egress-A"]
-    assert not client._inboxes, "a stream lets go of its inbox at its summary"
+    assert [(named, reached) for named, reached, _ in handle.log.attaches] == [("egress-A", "egress-A")]
+    assert any({i.request_id for i in b.items} == {"r1", "r2"} for _, b in handle.log.batches), \
+        "one batch carries the frames of both requests"
+    assert not consumer.client._inboxes, "a stream lets go of its inbox at its summary"
+    await assert_no_leaks([consumer], [egress])
 
 
 @run_async
 async def test_an_error_after_the_start_arrives_after_the_frames_before_it():
-    client = ChannelClient(lambda r: ChannelHub(r).attach("x"), LostError)
+    hub = ChannelHub("egress-A")
+    client, _ = wire(hub, consumer="ingress-1")
     inbox = client.register_frames("r1")
-    inbox.push(frame("r1", "hello"))
-    inbox.push(RoutedFrame("r1", error=LostError("engine went away")))
-    stream = FrameStream(FakeControl(), inbox, client, "egress-A")
-    assert (await anext(stream)).data == "hello"
+    hub.open("ingress-1")
+    hub.push("ingress-1", [frame("r1", "hello"), RoutedError("r1", LostError("engine went away"))])
+    client.bind(inbox, "egress-A")
+    assert (await asyncio.wait_for(anext(inbox), 2)).data == "hello"
     with pytest.raises(LostError, match="engine went away"):
-        await anext(stream)
+        await asyncio.wait_for(anext(inbox), 2)
+    assert inbox.finished, "an error the producer sent ends the request there"
 
 
 @run_async
 async def test_cancel_cancels_the_requests_own_stream_and_a_failed_one_fails_the_request():
-    hub = ChannelHub("egress-A")
-    client, _ = wire(hub, consumer="ingress-1")
-    control = FakeControl()
-    stream = FrameStream(control, client.register_frames("r1"), client, "egress-A")
+    """There is no per-request control stream any more: cancelling is an abort by id to the Egress
+    replica that accepted the job (its job ends there) and lets go of the inbox; a request fails
+    when its replica's channel fails (the attach call raises)."""
+    egress = FakeEgress("egress-A")
+    handle = FakeHandle([egress])
+    consumer = Consumer(handle, "ingress-1", LostError)
+    stream = consumer.open_frames(generation_job("r1"))
+    await asyncio.wait_for(stream.start(), 2)
     stream.cancel()
-    assert control.cancelled and not client._inboxes
+    assert not consumer.client._inboxes
+    await wait_until(lambda: egress.finally_ran == ["r1"])
+    assert egress.ended == [["r1"]]
+    await wait_until(lambda: consumer.client.num_attached() == 0)
 
-    broken = FrameStream(FakeControl(error=ConnectionError("Egress replica died")),
-                         client.register_frames("r2"), client, "egress-A")
+    handle.attach_error = ConnectionError("Egress replica died")
+    broken = consumer.open_frames(generation_job("r2"))
+    await asyncio.wait_for(broken.start(), 2)
     with pytest.raises(ConnectionError):
         await asyncio.wait_for(anext(broken), 2)
+    broken.cancel()
 
 
 @run_async
@@ -375,15 +387,15 @@ async def test_frames_of_a_job_nobody_waits_for_cancel_it_unless_they_end_it() -
         yield ChannelBatch(replica, [
             RoutedFrame("running", item=StreamFrame("data: x\n\n", 0, 1)),
             RoutedFrame("ended", item=StreamSummary(1, 1, 0, ["stop"], {}, 0.0)),
-            RoutedFrame("failed", error=RuntimeError("boom")),
+            RoutedError("failed", RuntimeError("boom")),
             RoutedFrame("waited", item=StreamFrame("data: y\n\n", 0, 1))])
         await asyncio.Event().wait()
 
     strays: list[tuple[str, str]] = []
     client = ChannelClient(attach, LostError, on_stray=lambda replica, rid: strays.append((replica, rid)))
     waited = client.register_frames("waited")
-    stream = FrameStream(None, waited, client, "egress-B", on_cancel=lambda: None)
-    frame = await asyncio.wait_for(stream.__anext__(), 5)
+    client.bind(waited, "egress-B")
+    frame = await asyncio.wait_for(anext(waited), 5)
     assert frame.data == "data: y\n\n"
     assert strays == [("egress-B", "running")]
-    stream.cancel()
+    client.unregister(waited, aborted=True)
