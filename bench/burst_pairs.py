@@ -248,7 +248,7 @@ async def local_core_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]
     from stages.engine.driver.async_engine import AsyncEngine
     from stages.engine.driver.core_process import CoreProcess, CoreSpec
 
-    engine = AsyncEngine(core=CoreProcess(CoreSpec(settings.to_engine_config(EMBEDDED_MODEL))))
+    engine = AsyncEngine(core=CoreProcess(CoreSpec(EMBEDDED_MODEL, settings)))
     loop = asyncio.get_running_loop()
     await asyncio.to_thread(engine.start, loop)
 

@@ -8,12 +8,9 @@ the built application can be inspected in tests without running anything.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
-
-if TYPE_CHECKING:  # the CPU stages read this module and must not import the engine package
-    from stages.engine.core.engine import EngineConfig
 
 
 class _Strict(BaseModel):
@@ -33,29 +30,39 @@ def valid_api_key(key: str) -> bool:
     return 0 < len(key) <= 512 and key.isascii() and key.isprintable() and " " not in key and "," not in key
 
 
-#: Engine settings the Ray replica uses itself; the engine core never sees them.
-_REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s", "fault_injection", "stream_channel",
-                 "batch_admission", "step_thread_nice", "core_process"}
-
-
 class EngineSettings(_Strict):
-    """Engine core settings (see :class:`stages.engine.core.engine.EngineConfig`)."""
+    """The engine's settings: the one declaration the engine core
+    (:class:`stages.engine.core.engine.LLMEngine`), its model runner
+    (:class:`stages.engine.runner.model_runner.ModelRunner`), its step loop and the Engine replica
+    all read. The model is not here: it is the app's ``model``, passed beside this section."""
 
+    #: ``auto``: ``cuda`` when torch sees one, else ``cpu``; resolved by the model runner, in the
+    #: process that holds the model (an Engine replica whose step loop runs in a core process never
+    #: imports torch).
     device: str = "auto"
+    #: Model dtype: ``auto`` is bfloat16 on CUDA, float32 on CPU; or a torch dtype name.
     dtype: str = "auto"
+    #: Tokens per KV block.
     block_size: int = Field(16, ge=1, le=256)
+    #: KV blocks in the pool; 0: as many as ``kv_cache_memory_gb`` holds.
     num_kv_blocks: int = Field(0, ge=0)
     kv_cache_memory_gb: float = Field(1.0, gt=0)
+    #: torch intra-op threads on CPU, and the CPU kernels' (0: torch's default).
     num_threads: int = Field(0, ge=0)
     #: Threads for a step that computes at least ``prefill_threads_min_tokens`` prompt tokens (0: as
     #: ``num_threads``). Such a step is compute-bound, and while it runs the CPU stages mostly wait on
     #: it (a burst's requests are in, their first tokens not yet out), so it may borrow their core.
     prefill_threads: int = Field(0, ge=0)
     prefill_threads_min_tokens: int = Field(128, ge=1)
+    #: Token budget of one step (the prefill chunk size).
     max_num_batched_tokens: int = Field(512, ge=1)
+    #: Most running requests in one step (also the size of the largest decode graph).
     max_num_seqs: int = Field(64, ge=1)
+    #: Caps one request's prefill chunk in a step (0: the step's budget only).
     long_prefill_token_threshold: int = Field(0, ge=0)
+    #: Context length; 0: the model's own (either way capped by the KV pool).
     max_model_len: int = Field(0, ge=0)
+    #: Share full KV blocks of common prefixes between requests.
     enable_prefix_caching: bool = True
     #: Linear-layer weights: auto (the GGUF's own quantisation on CPU, else float) | float32 | int4 | int8.
     weights: Literal["auto", "float32", "int4", "int8"] = "auto"
@@ -96,21 +103,6 @@ class EngineSettings(_Strict):
     core_process: bool = True
     #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.driver.faults`). Off.
     fault_injection: bool = False
-
-    def to_engine_config(self, model: str, resolve_device: bool = True) -> EngineConfig:
-        """The engine core's config for ``model``. ``resolve_device=False`` leaves ``auto`` for
-        :meth:`LLMEngine.from_config` to resolve where the model loads: an Engine replica whose
-        step loop runs in a core process then never imports torch (seconds of start-up and
-        ~300 MB it would not use)."""
-        from stages.engine.core.engine import EngineConfig
-
-        device = self.device
-        if device == "auto" and resolve_device:
-            from stages.engine.core.engine import resolve_device as resolve
-
-            device = resolve(device)
-        fields = self.model_dump(exclude={"device", *_REPLICA_ONLY})
-        return EngineConfig(model=model, device=device, **fields)
 
 
 #: Paths that ``http.auth_exempt_paths`` may open to callers without a key (read-only views).

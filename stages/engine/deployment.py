@@ -74,21 +74,20 @@ class EngineDeployment:
         configure_tracing(tracing, component="engine")
         self.settings = EngineSettings(**(engine or {}))
         self.replica = own_replica_id()
-        # With a core process the child resolves device=auto: this process never imports torch.
-        config = self.settings.to_engine_config(model, resolve_device=not self.settings.core_process)
         faults = StepFaults(self.settings.fault_injection)
         common = {"max_waiting": self.settings.max_waiting_requests, "replica": self.replica,
                   "stall_timeout_s": self.settings.stall_timeout_s, "faults": faults}
         self.tracer = EngineTracer()
         if self.settings.core_process:
-            spec = CoreSpec(config, max_waiting=self.settings.max_waiting_requests, replica=self.replica,
-                            thread_nice=self.settings.step_thread_nice, fault_injection=faults.enabled,
-                            tracing=tracing)
+            # The child loads the model and resolves device=auto: this process never imports torch.
+            spec = CoreSpec(model, self.settings, max_waiting=self.settings.max_waiting_requests,
+                            replica=self.replica, thread_nice=self.settings.step_thread_nice,
+                            fault_injection=faults.enabled, tracing=tracing)
             self.async_engine = AsyncEngine(core=CoreProcess(spec), **common)
             # The child loads the model; this loop stays free meanwhile.
             await asyncio.to_thread(self.async_engine.start, asyncio.get_running_loop())
         else:
-            engine_core = LLMEngine.from_config(config)
+            engine_core = LLMEngine.from_config(model, self.settings)
             engine_core.on_finish = self.tracer.on_finish
             self.async_engine = AsyncEngine(engine_core, thread_nice=self.settings.step_thread_nice, **common)
             # Constructed on the loop Serve runs our calls on, so outputs are delivered there.
@@ -107,7 +106,7 @@ class EngineDeployment:
         self.directory = directory
         self._reporter = asyncio.create_task(self._report_loop()) if directory is not None else None
         logger.info("engine %s ready: %s, max_model_len=%d, %d KV blocks of %d tokens%s", self.replica,
-                    model, self.async_engine.max_model_len, self.async_engine.num_blocks, config.block_size,
+                    model, self.async_engine.max_model_len, self.async_engine.num_blocks, self.settings.block_size,
                     f", step loop in process {self.async_engine.core.pid}" if self.async_engine.core else "")
 
     def _check_alive(self) -> None:

@@ -30,7 +30,8 @@ from typing import Any
 
 from stages.transport.channel import merge_group
 from stages.engine.driver.core_process import CoreProcess
-from stages.engine.core.engine import EngineConfig, EngineStats, LLMEngine
+from stages.config import EngineSettings
+from stages.engine.core.engine import EngineStats, LLMEngine
 from stages.engine.core.errors import DuplicateRequestIdError, EngineDeadError, RequestRejectedError
 from stages.engine.driver.faults import StepFaults
 from stages.engine.driver.step_loop import (
@@ -114,7 +115,7 @@ class AsyncEngine:
         self._steps = (StepLoop(engine, self._from_thread, max_waiting=max_waiting, replica=replica,
                                 faults=self.faults, thread_nice=thread_nice, step_hook=step_hook)
                        if engine is not None else None)
-        self.config: EngineConfig = engine.config if engine is not None else core.spec.config  # type: ignore[union-attr]
+        self.config: EngineSettings = engine.config if engine is not None else core.spec.config  # type: ignore[union-attr]
         #: Engine request id → the group it belongs to (every choice of a group maps to it).
         self._groups: dict[str, _Group] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from stages.engine.core.engine import EngineConfig, EngineStats
+from stages.config import EngineSettings
+from stages.engine.core.engine import EngineStats
 from stages.engine.core.errors import EngineDeadError, EngineError, RequestRejectedError
 from stages.engine.driver.step_loop import AddRequest, LoopStatus, StepLoop
 
@@ -59,7 +60,8 @@ READY_TIMEOUT_S = 600.0
 class CoreSpec:
     """Everything the child needs to build its engine and loop (sent as the first message)."""
 
-    config: EngineConfig
+    model: str
+    config: EngineSettings
     max_waiting: int = 256
     replica: str = ""
     thread_nice: int | None = None
@@ -308,7 +310,7 @@ def _child_main(fd: int, slot_fd: int) -> None:
     spec: CoreSpec = conn.recv()
     configure_tracing(spec.tracing, component="engine")
     try:
-        engine = LLMEngine.from_config(spec.config)
+        engine = LLMEngine.from_config(spec.model, spec.config)
     except BaseException as exc:  # noqa: BLE001 - the parent says why the replica failed
         conn.send(("error", repr(exc)))
         raise

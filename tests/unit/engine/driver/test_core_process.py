@@ -22,7 +22,8 @@ import pytest
 
 from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.driver.core_process import CoreProcess, CoreSpec
-from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.config import EngineSettings
+from stages.engine.core.engine import LLMEngine
 from stages.engine.core.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -40,11 +41,12 @@ def tiny_model() -> Path:
     return build_tools_model(cache_root() / "test-models" / "tiny-hermes-tools")
 
 
-def _config(model: Path, **kw: Any) -> EngineConfig:
-    # device auto: the child resolves it (the replica side never imports torch, see below).
-    base = {"model": str(model), "device": "auto", "weights": "float32", "num_threads": 1, "kv_cache_memory_gb": 0.02,
-            "max_num_seqs": 8, "max_num_batched_tokens": 256}
-    return EngineConfig(**{**base, **kw})
+def _config(model: Path, **kw: Any) -> tuple[str, EngineSettings]:
+    """The model and its engine settings. Device auto: the child resolves it (the replica side
+    never imports torch, see below)."""
+    base = {"weights": "float32", "num_threads": 1, "kv_cache_memory_gb": 0.02, "max_num_seqs": 8,
+            "max_num_batched_tokens": 256}
+    return str(model), EngineSettings(**{**base, **kw})
 
 
 class Loop:
@@ -81,7 +83,7 @@ def _start(loop: Loop, engine: AsyncEngine) -> AsyncEngine:
 
 @pytest.fixture(scope="module")
 def core(tiny_model: Path, loop: Loop) -> Iterator[AsyncEngine]:
-    engine = _start(loop, AsyncEngine(core=CoreProcess(CoreSpec(_config(tiny_model), max_waiting=16, replica="r-core",
+    engine = _start(loop, AsyncEngine(core=CoreProcess(CoreSpec(*_config(tiny_model), max_waiting=16, replica="r-core",
                                                                 fault_injection=True)),
                                       max_waiting=16, replica="r-core"))
     yield engine
@@ -108,7 +110,7 @@ def _requests(tag: str) -> list[EngineRequest]:
 
 
 def test_a_child_process_gives_the_same_tokens_as_the_loop_on_a_thread(core, tiny_model, loop) -> None:
-    threaded = AsyncEngine(LLMEngine.from_config(_config(tiny_model)))
+    threaded = AsyncEngine(LLMEngine.from_config(*_config(tiny_model)))
 
     async def both() -> tuple[list[dict[int, list[int]]], list[dict[int, list[int]]]]:
         threaded.start()
@@ -220,7 +222,7 @@ def test_a_grammar_is_built_in_the_child_off_its_step_thread(core, tiny_model, l
 
 
 def test_a_hung_step_in_the_child_shows_as_a_stall(tiny_model, loop) -> None:
-    engine = _start(loop, AsyncEngine(core=CoreProcess(CoreSpec(_config(tiny_model), fault_injection=True)),
+    engine = _start(loop, AsyncEngine(core=CoreProcess(CoreSpec(*_config(tiny_model), fault_injection=True)),
                                       stall_timeout_s=0.5))
     try:
         engine.arm_fault("step_hang")
@@ -245,7 +247,7 @@ def test_a_hung_step_in_the_child_shows_as_a_stall(tiny_model, loop) -> None:
 
 
 def test_a_killed_child_fails_its_streams_and_the_health_check(tiny_model, loop) -> None:
-    engine = _start(loop, AsyncEngine(core=CoreProcess(CoreSpec(_config(tiny_model)))))
+    engine = _start(loop, AsyncEngine(core=CoreProcess(CoreSpec(*_config(tiny_model)))))
     try:
         async def run() -> BaseException:
             agen = engine.generate(EngineRequest("k", [1, 2, 3], _params(3000)))
@@ -271,10 +273,10 @@ def test_the_child_dies_with_its_parent(tiny_model, tmp_path) -> None:
         import asyncio, pathlib, time
         from stages.engine.driver.async_engine import AsyncEngine
         from stages.engine.driver.core_process import CoreProcess, CoreSpec
-        from stages.engine.core.engine import EngineConfig
-        config = EngineConfig(model={str(tiny_model)!r}, weights="float32", num_threads=1, kv_cache_memory_gb=0.02)
+        from stages.config import EngineSettings
+        config = EngineSettings(weights="float32", num_threads=1, kv_cache_memory_gb=0.02)
         async def main():
-            engine = AsyncEngine(core=CoreProcess(CoreSpec(config)))
+            engine = AsyncEngine(core=CoreProcess(CoreSpec({str(tiny_model)!r}, config)))
             await asyncio.to_thread(engine.start, asyncio.get_running_loop())
             pathlib.Path({str(pid_file)!r}).write_text(str(engine.core.pid))
             await asyncio.sleep(600)
@@ -319,8 +321,8 @@ def test_the_replica_side_never_imports_torch() -> None:
         from stages.config import EngineSettings
         from stages.engine.driver.async_engine import AsyncEngine
         from stages.engine.driver.core_process import CoreProcess, CoreSpec
-        config = EngineSettings().to_engine_config("embedded:smollm2-135m-instruct", resolve_device=False)
-        AsyncEngine(core=CoreProcess(CoreSpec(config)))
+        config = EngineSettings()
+        AsyncEngine(core=CoreProcess(CoreSpec("embedded:smollm2-135m-instruct", config)))
         print(config.device, "torch" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
