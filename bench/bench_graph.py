@@ -179,8 +179,6 @@ def main() -> None:
                         "(repeatable; one more app each)")
     p.add_argument("--serve-proxy", action="store_true",
                    help="also run the graph through Serve's proxy actor (the edge before HAProxy; its fallback port)")
-    p.add_argument("--per-request", action="store_true",
-                   help="same as --variant engine.stream_channel=false: one stream item per request per step")
     p.add_argument("--lean-client", action="store_true",
                    help="also measure the graph with bench.lean_client (raw socket, no per-event JSON): "
                         "what the httpx client's own work on the same cores costs the graph")
@@ -210,8 +208,6 @@ def main() -> None:
             if proxy is None:
                 raise SystemExit("--serve-proxy needs the HAProxy edge (unset LIFECYCLE_EDGE)")
             urls["graph_serve_proxy"] = proxy
-        if a.per_request:
-            a.variant.append("engine.stream_channel=false")
         for i, override in enumerate(a.variant):
             # A second app like the first but for one setting (``engine.x=value``, value as YAML),
             # measured in the same rounds: the A/B of that setting through the whole graph.

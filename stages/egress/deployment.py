@@ -38,6 +38,7 @@ from stages.transport.messages import (
     StreamStart,
     StreamSummary,
 )
+from stages.config import TracingSettings
 from stages.telemetry import get_tracer, span_from_context
 
 logger = logging.getLogger("lifecycle.egress")
@@ -53,7 +54,7 @@ FORWARDED_POLL_S = 1.0
 class EgressDeployment:
     """CPU stage between the engine and Ingress; scale it with ``num_replicas``."""
 
-    async def __init__(self, engine: Any, model: str, tracing: dict[str, Any] | None = None,
+    async def __init__(self, engine: Any, model: str, tracing: TracingSettings | None = None,
                  stream_channel: bool = True, batch_admission: bool = True, directory: Any = None) -> None:
         from stages.model_info import load_cpu_tokenizer
         from stages.telemetry import configure_tracing

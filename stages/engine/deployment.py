@@ -35,7 +35,7 @@ from ray.serve.config import RequestRouterConfig
 
 from stages.transport.admission import AdmittedStreams
 from stages.transport.channel import ChannelHub, merge_channel_items
-from stages.config import EngineSettings
+from stages.config import EngineSettings, TracingSettings
 from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.driver.core_process import CoreProcess, CoreSpec
 from stages.engine.core.engine import LLMEngine
@@ -65,14 +65,15 @@ logger = logging.getLogger("lifecycle.engine")
 class EngineDeployment:
     """Owns the model; everything else reaches it through its handle."""
 
-    async def __init__(self, model: str, engine: dict[str, Any] | None = None,
-                       tracing: dict[str, Any] | None = None, directory: Any = None) -> None:
+    async def __init__(self, model: str, engine: EngineSettings | None = None,
+                       tracing: TracingSettings | None = None, directory: Any = None) -> None:
+        """``engine`` and ``tracing`` are the app config's sections as validated (defaults when omitted)."""
         from stages.engine.driver.tracing import EngineTracer
         from stages.telemetry import configure_logging, configure_tracing
 
         configure_logging()
         configure_tracing(tracing, component="engine")
-        self.settings = EngineSettings(**(engine or {}))
+        self.settings = engine if engine is not None else EngineSettings()
         self.replica = own_replica_id()
         faults = StepFaults(self.settings.fault_injection)
         common = {"max_waiting": self.settings.max_waiting_requests, "replica": self.replica,

@@ -106,9 +106,11 @@ def _ms(seconds: float | None) -> float:
 class Ingress:
     """HTTP front door. Handles to the other stages are created once and reused."""
 
-    async def __init__(self, preprocess: Any, egress: Any, engine: Any, app_config: dict[str, Any],
+    async def __init__(self, preprocess: Any, egress: Any, engine: Any, app_config: AppConfig,
                        directory: Any = None) -> None:
-        self.cfg = AppConfig.from_args(app_config)
+        """``app_config``: the whole validated config (the Ingress answers for the app: model names,
+        limits, keys, inline preparation)."""
+        self.cfg = app_config
         configure_logging()
         if self.cfg.http.request_log_file:
             handler = logging.FileHandler(self.cfg.http.request_log_file)
@@ -133,8 +135,7 @@ class Ingress:
         self.created = int(time.time())
         self.replica = own_replica_id()
         # Jobs reach Egress batched per loop turn, their frames come back on shared channels.
-        self.dispatch = EgressDispatch(egress, own_actor_name(), self.cfg.engine.stream_channel,
-                                       self.cfg.engine.batch_admission)
+        self.dispatch = EgressDispatch(egress, own_actor_name(), stream_channel=True, batch_admission=True)
         self.engine_liveness = EngineLiveness(directory)
         self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close)
         self._background = []

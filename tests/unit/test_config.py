@@ -1,10 +1,12 @@
-"""Configuration: the shipped configs validate and the built application has the intended shape.
+"""Configuration: the shipped configs validate, the built application has the intended shape, and
+each stage receives its section unchanged.
 
 Nothing here starts Ray: building an application only records deployments and their options.
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import yaml
 from pydantic import ValidationError
 
 from graph import build_app, build_app_with_options
-from stages.config import AppConfig
+from stages.config import AppConfig, EngineSettings, StructuredOutputSettings, TracingSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,7 +92,16 @@ def test_build_app_graph_shape():
     # Every stage that needs the app-wide view shares the one Directory.
     assert directory._bound_deployment.name == "Directory"
     assert engine._bound_deployment.init_args[3]._bound_deployment is directory._bound_deployment
-    assert app_config["engine"]["max_num_seqs"] == 4
+    assert isinstance(app_config, AppConfig) and app_config.engine.max_num_seqs == 4
+    # Each stage receives the validated section objects themselves, unchanged (one convention).
+    model, engine_settings, tracing, _ = engine._bound_deployment.init_args
+    assert model == app_config.model
+    assert engine_settings is app_config.engine and isinstance(engine_settings, EngineSettings)
+    assert tracing is app_config.tracing and isinstance(tracing, TracingSettings)
+    pre_args = preprocess._bound_deployment.init_args
+    assert pre_args[2] is app_config.tracing
+    assert pre_args[4] is app_config.structured_outputs and isinstance(pre_args[4], StructuredOutputSettings)
+    assert egress._bound_deployment.init_args[2] is app_config.tracing
     # The engine routes with the project's router (queue depth and KV headroom), not Serve's default.
     router = engine._bound_deployment._deployment_config.request_router_config
     assert router.request_router_class.endswith("EngineRouter") or router.request_router_class.__name__ == "EngineRouter"
@@ -116,3 +127,23 @@ def test_build_app_has_the_one_parameter_serve_requires():
     assert len(inspect.signature(build_app).parameters) == 1
     app = call_user_app_builder_with_args_if_necessary(build_app, {"engine": {"max_num_seqs": 4}})
     assert app._bound_deployment.name == "Ingress"
+
+
+def test_every_section_is_frozen_and_crosses_a_boundary_intact():
+    cfg = AppConfig.from_args({"engine": {"max_num_seqs": 4}, "http": {"api_keys": ["sk-test-key"]}})
+    sections = [cfg, cfg.engine, cfg.http, cfg.tracing, cfg.structured_outputs, cfg.preprocess]
+    assert len(sections) == 6
+    for section in sections:
+        name = next(iter(type(section).model_fields))
+        with pytest.raises(ValidationError, match="frozen"):
+            setattr(section, name, getattr(section, name))
+    # Serve pickles what graph.py binds: the sections arrive equal, secrets included.
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again == cfg and again.http.api_keys[0].get_secret_value() == "sk-test-key"
+
+
+def test_the_removed_transport_flags_are_rejected():
+    for key in ("stream_channel", "batch_admission"):
+        with pytest.raises(ValidationError, match=key):
+            AppConfig.from_args({"engine": {key: True}})
+

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from stages.config import EngineSettings
+from stages.config import EngineSettings, TracingSettings
 from stages.engine.core.engine import EngineStats
 from stages.engine.core.errors import EngineDeadError, EngineError, RequestRejectedError
 from stages.engine.driver.step_loop import AddRequest, LoopStatus, StepLoop
@@ -66,7 +66,7 @@ class CoreSpec:
     replica: str = ""
     thread_nice: int | None = None
     fault_injection: bool = False
-    tracing: dict[str, Any] | None = None
+    tracing: TracingSettings | None = None
 
 
 @dataclass
