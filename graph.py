@@ -35,10 +35,11 @@ def build_app_with_options(args: dict[str, Any] | None = None,
     def deployment(d: Any) -> Any:
         return d.options(**opts[d.name]) if d.name in opts else d
 
-    tracing = cfg.tracing.model_dump()
+    # Each stage receives the validated, frozen section objects it reads, unchanged; the Ingress,
+    # the app's face (model names, limits, auth, inline preparation), receives the whole config.
     directory = deployment(DirectoryDeployment).bind()
-    engine = deployment(EngineDeployment).bind(cfg.model, cfg.engine.model_dump(), tracing, directory)
-    preprocess = deployment(PreprocessDeployment).bind(cfg.model, cfg.engine.max_model_len, tracing, directory,
-                                                       cfg.structured_outputs.model_dump())
-    egress = deployment(EgressDeployment).bind(engine, cfg.model, tracing, directory)
-    return deployment(Ingress).bind(preprocess, egress, engine, cfg.model_dump(), directory)
+    engine = deployment(EngineDeployment).bind(cfg.model, cfg.engine, cfg.tracing, directory)
+    preprocess = deployment(PreprocessDeployment).bind(cfg.model, cfg.engine.max_model_len, cfg.tracing, directory,
+                                                       cfg.structured_outputs)
+    egress = deployment(EgressDeployment).bind(engine, cfg.model, cfg.tracing, directory=directory)
+    return deployment(Ingress).bind(preprocess, egress, engine, cfg, directory)

@@ -25,7 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from stages.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from stages.config import EngineSettings  # noqa: E402
+from stages.engine.core.engine import LLMEngine  # noqa: E402
 from stages.model_info import EMBEDDED_MODEL  # noqa: E402
 from stages.transport.messages import SamplingParams  # noqa: E402
 
@@ -82,8 +83,8 @@ def main() -> None:
     engines, load_s = {}, {}
     for name, kw in variants(a.device).items():
         t0 = time.perf_counter()
-        engines[name] = LLMEngine.from_config(EngineConfig(
-            model=EMBEDDED_MODEL, device=a.device, weights="float32" if a.device == "cpu" else "auto",
+        engines[name] = LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(
+            device=a.device, weights="float32" if a.device == "cpu" else "auto",
             num_threads=a.threads, max_num_seqs=max(batches), **kw))
         load_s[name] = time.perf_counter() - t0  # with flex: its compile; with graphs: every capture
         decode_steps(engines[name], max(batches), 4)  # warm-up: compiles for the batch shapes

@@ -55,7 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from stages.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from stages.config import EngineSettings  # noqa: E402
+from stages.engine.core.engine import LLMEngine  # noqa: E402
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer, model_info, resolve_model_dir  # noqa: E402
 from stages.transport.messages import SamplingParams  # noqa: E402
 
@@ -166,9 +167,8 @@ class Bench:
         self.args = args
         t0 = time.perf_counter()
         # Parts (a)-(c) compare against transformers on the same float32 weights.
-        base = LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, num_threads=args.threads,
-                                                  weights="float32", device=args.device,
-                                                  dtype="float32"))
+        base = LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(num_threads=args.threads, weights="float32",
+                                                                    device=args.device, dtype="float32"))
         self.runner = base.runner
         self.info = model_info(EMBEDDED_MODEL)
         self.tok = load_tokenizer(EMBEDDED_MODEL)
@@ -183,8 +183,8 @@ class Bench:
     # -- our engine -----------------------------------------------------------------------------
     def engine(self, max_num_batched_tokens: int = 512) -> LLMEngine:
         """A fresh engine state (empty queues, empty prefix cache) over the shared runner."""
-        cfg = EngineConfig(model=EMBEDDED_MODEL, num_threads=self.args.threads, device=self.args.device,
-                           max_num_batched_tokens=max_num_batched_tokens, weights="float32")
+        cfg = EngineSettings(num_threads=self.args.threads, device=self.args.device,
+                             max_num_batched_tokens=max_num_batched_tokens, weights="float32")
         return LLMEngine(cfg, self.runner, self.info.eos_token_ids, self.info.vocab_size,
                          self.info.max_model_len)
 
@@ -195,9 +195,9 @@ class Bench:
             return self.runner
         if weights not in self.runners:
             fmt, _, kernel = weights.partition("/")
-            eng = LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, num_threads=self.args.threads,
-                                                     weights=fmt, num_kv_blocks=self.runner.num_blocks,
-                                                     device=self.args.device, quant_kernel=kernel or "auto"))
+            eng = LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(
+                num_threads=self.args.threads, weights=fmt, num_kv_blocks=self.runner.num_blocks,
+                device=self.args.device, quant_kernel=kernel or "auto"))
             self.runners[weights] = eng.runner
         return self.runners[weights]
 

@@ -66,7 +66,7 @@ async def inproc_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]:
     from stages.engine.driver.async_engine import AsyncEngine
     from stages.engine.driver.in_process import InProcessDriver
 
-    engine = AsyncEngine(InProcessDriver(LLMEngine.from_config(settings.to_engine_config(EMBEDDED_MODEL))))
+    engine = AsyncEngine(InProcessDriver(LLMEngine.from_config(EMBEDDED_MODEL, settings)))
     engine.start()
 
     def one(i: int, text: str, mt: int) -> Any:

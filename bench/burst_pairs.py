@@ -250,7 +250,7 @@ async def local_core_side(settings: EngineSettings, tok: Any) -> tuple[Any, Any]
     from stages.engine.driver.core_process import ChildProcessDriver
     from stages.engine.driver.messages import LoopSpec
 
-    engine = AsyncEngine(ChildProcessDriver(LoopSpec(settings.to_engine_config(EMBEDDED_MODEL))))
+    engine = AsyncEngine(ChildProcessDriver(LoopSpec(EMBEDDED_MODEL, settings)))
     loop = asyncio.get_running_loop()
     await asyncio.to_thread(engine.start, loop)
 

@@ -8,16 +8,18 @@ the built application can be inspected in tests without running anything.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-if TYPE_CHECKING:  # the CPU stages read this module and must not import the engine package
-    from stages.engine.core.engine import EngineConfig
+from stages.model_info import EMBEDDED_MODEL
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Section(BaseModel):
+    """A config section: unknown keys are errors (a typo fails at deploy time), and it is frozen, so
+    the object a stage receives is the one that was validated (no stage can change another's view)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 #: Largest message Ray Serve passes between deployments: with gRPC transport (on under
@@ -33,29 +35,39 @@ def valid_api_key(key: str) -> bool:
     return 0 < len(key) <= 512 and key.isascii() and key.isprintable() and " " not in key and "," not in key
 
 
-#: Engine settings the Ray replica uses itself; the engine core never sees them.
-_REPLICA_ONLY = {"max_waiting_requests", "stall_timeout_s", "report_interval_s", "fault_injection", "stream_channel",
-                 "batch_admission", "step_thread_nice", "core_process"}
+class EngineSettings(_Section):
+    """The engine's settings: the one declaration the engine core
+    (:class:`stages.engine.core.engine.LLMEngine`), its model runner
+    (:class:`stages.engine.runner.model_runner.ModelRunner`), its step loop and the Engine replica
+    all read. The model is not here: it is the app's ``model``, passed beside this section."""
 
-
-class EngineSettings(_Strict):
-    """Engine core settings (see :class:`stages.engine.core.engine.EngineConfig`)."""
-
+    #: ``auto``: ``cuda`` when torch sees one, else ``cpu``; resolved by the model runner, in the
+    #: process that holds the model (an Engine replica whose step loop runs in a core process never
+    #: imports torch).
     device: str = "auto"
+    #: Model dtype: ``auto`` is bfloat16 on CUDA, float32 on CPU; or a torch dtype name.
     dtype: str = "auto"
+    #: Tokens per KV block.
     block_size: int = Field(16, ge=1, le=256)
+    #: KV blocks in the pool; 0: as many as ``kv_cache_memory_gb`` holds.
     num_kv_blocks: int = Field(0, ge=0)
     kv_cache_memory_gb: float = Field(1.0, gt=0)
+    #: torch intra-op threads on CPU, and the CPU kernels' (0: torch's default).
     num_threads: int = Field(0, ge=0)
     #: Threads for a step that computes at least ``prefill_threads_min_tokens`` prompt tokens (0: as
     #: ``num_threads``). Such a step is compute-bound, and while it runs the CPU stages mostly wait on
     #: it (a burst's requests are in, their first tokens not yet out), so it may borrow their core.
     prefill_threads: int = Field(0, ge=0)
     prefill_threads_min_tokens: int = Field(128, ge=1)
+    #: Token budget of one step (the prefill chunk size).
     max_num_batched_tokens: int = Field(512, ge=1)
+    #: Most running requests in one step (also the size of the largest decode graph).
     max_num_seqs: int = Field(64, ge=1)
+    #: Caps one request's prefill chunk in a step (0: the step's budget only).
     long_prefill_token_threshold: int = Field(0, ge=0)
+    #: Context length; 0: the model's own (either way capped by the KV pool).
     max_model_len: int = Field(0, ge=0)
+    #: Share full KV blocks of common prefixes between requests.
     enable_prefix_caching: bool = True
     #: Linear-layer weights: auto (the GGUF's own quantisation on CPU, else float) | float32 | int4 | int8.
     weights: Literal["auto", "float32", "int4", "int8"] = "auto"
@@ -80,13 +92,6 @@ class EngineSettings(_Strict):
     stall_timeout_s: float = Field(60.0, gt=0)
     #: Seconds between the replica's reports to the Directory (app-wide /health and /metrics).
     report_interval_s: float = Field(1.0, gt=0)
-    #: Tokens of all requests from one Egress replica to one engine replica share one stream, one
-    #: item per engine step (:mod:`stages.transport.channel`); false: one stream item per request per step.
-    stream_channel: bool = True
-    #: With ``stream_channel``: the streamed requests an Ingress or Egress replica sends on in one
-    #: loop turn go to the next stage in one call, whose reply carries their acceptances
-    #: (:mod:`stages.transport.admission`); false: one streamed call per request per hop.
-    batch_admission: bool = True
     #: Nice value of the engine's step thread (Ray starts workers at nice 15; the CPU stages keep
     #: that): normal priority where the engine leaves a core free (:mod:`stages.engine.driver.priority`).
     #: ``None``: leave it.
@@ -97,27 +102,12 @@ class EngineSettings(_Strict):
     #: Tests only: allow the Engine's ``inject_fault`` call (:mod:`stages.engine.driver.faults`). Off.
     fault_injection: bool = False
 
-    def to_engine_config(self, model: str, resolve_device: bool = True) -> EngineConfig:
-        """The engine core's config for ``model``. ``resolve_device=False`` leaves ``auto`` for
-        :meth:`LLMEngine.from_config` to resolve where the model loads: an Engine replica whose
-        step loop runs in a core process then never imports torch (seconds of start-up and
-        ~300 MB it would not use)."""
-        from stages.engine.core.engine import EngineConfig
-
-        device = self.device
-        if device == "auto" and resolve_device:
-            from stages.engine.core.engine import resolve_device as resolve
-
-            device = resolve(device)
-        fields = self.model_dump(exclude={"device", *_REPLICA_ONLY})
-        return EngineConfig(model=model, device=device, **fields)
-
 
 #: Paths that ``http.auth_exempt_paths`` may open to callers without a key (read-only views).
 AuthExemptPath = Literal["/health", "/metrics", "/version", "/openapi.json"]
 
 
-class HttpSettings(_Strict):
+class HttpSettings(_Section):
     """Ingress behaviour."""
 
     max_body_bytes: int = Field(MAX_BODY_BYTES, ge=1024, le=MAX_BODY_BYTES)
@@ -139,22 +129,22 @@ class HttpSettings(_Strict):
     max_tokens_limit: int = Field(0, ge=0)
     #: Bearer keys clients must send (``Authorization: Bearer <key>``); empty: no keys asked for.
     #: ``LIFECYCLE_API_KEYS`` (comma-separated) adds keys without putting them in the config.
-    api_keys: list[SecretStr] = Field(default_factory=list)
+    api_keys: tuple[SecretStr, ...] = ()
     #: Paths served without a key even when keys are on (probes, scrapers).
-    auth_exempt_paths: list[AuthExemptPath] = Field(default_factory=lambda: ["/health", "/metrics"])
+    auth_exempt_paths: tuple[AuthExemptPath, ...] = ("/health", "/metrics")
     #: Most requests one key may have in flight on one Ingress replica (0: no limit); beyond: 429.
     max_concurrent_requests_per_key: int = Field(0, ge=0)
 
     @field_validator("api_keys")
     @classmethod
-    def _header_safe(cls, keys: list[SecretStr]) -> list[SecretStr]:
+    def _header_safe(cls, keys: tuple[SecretStr, ...]) -> tuple[SecretStr, ...]:
         for key in keys:
             if not valid_api_key(key.get_secret_value()):
                 raise ValueError("every API key must be 1..512 printable ASCII characters without spaces or commas")
         return keys
 
 
-class TracingSettings(_Strict):
+class TracingSettings(_Section):
     """OpenTelemetry export; the standard ``OTEL_*`` environment variables also apply."""
 
     enabled: bool = False
@@ -166,18 +156,23 @@ class TracingSettings(_Strict):
     record_content: bool = False
 
 
-class StructuredOutputSettings(_Strict):
-    """Grammar compilation in Preprocess (see :class:`stages.preprocess.grammar.GrammarLimits`); past a limit
-    the request is a 400."""
+class StructuredOutputSettings(_Section):
+    """Bounds on grammar compilation in Preprocess (:class:`stages.preprocess.grammar.GrammarCompiler`):
+    past a limit the request is a 400."""
 
+    #: Largest spec (schema text, regex, grammar) accepted, in bytes.
     max_spec_bytes: int = Field(64 * 1024, ge=1)
+    #: Compilation taking longer than this is a 400.
     compile_timeout_s: float = Field(5.0, gt=0)
+    #: llguidance's own bound on the grammar's size (symbols in productions).
     max_grammar_size: int = Field(200_000, ge=1)
+    #: Bytes of compiled grammars the cache keeps (least recently used go first).
     cache_bytes: int = Field(32 * 1024 * 1024, ge=0)
+    #: Threads compiling at once per Preprocess replica (each compile is single-threaded and drops the GIL).
     compile_threads: int = Field(2, ge=1)
 
 
-class PreprocessSettings(_Strict):
+class PreprocessSettings(_Section):
     """Where requests are templated and tokenised (:mod:`stages.ingress.prep`)."""
 
     #: A request whose input (message contents or prompt) is at most this many characters, with no
@@ -186,13 +181,15 @@ class PreprocessSettings(_Strict):
     inline_max_chars: int = Field(2048, ge=0)
 
 
-class AppConfig(_Strict):
+class AppConfig(_Section):
     """Everything ``build_app`` needs."""
 
     # A bad API key must not be echoed into a deploy-time error (pydantic prints the input value).
-    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    model: str = "embedded:smollm2-135m-instruct"
+    #: The embedded GGUF default, a local Hugging Face directory, or a hub id.
+    model: str = EMBEDDED_MODEL
+    #: The name clients send as ``model``; unset: derived from ``model``.
     served_model_name: str | None = None
     engine: EngineSettings = Field(default_factory=EngineSettings)
     http: HttpSettings = Field(default_factory=HttpSettings)

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from stages.config import EngineSettings
 from stages.engine.core.block_manager import BlockManager
-from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.engine.core.engine import LLMEngine
 from stages.engine.core.request import RequestStatus
 from stages.engine.core.scheduler import ScheduledRequest
 from stages.transport.messages import SamplingParams, TokenLogprob
@@ -114,11 +115,11 @@ class FakeRunner:
 def make_engine(num_blocks: int = 64, block_size: int = 4, budget: int = 64, max_num_seqs: int = 16,
                 threshold: int = 0, max_model_len: int = 0, model_max_len: int = 256,
                 prefix_caching: bool = True, eos: tuple[int, ...] = (EOS,),
-                gen_vocab: int = VOCAB - 1, strict: bool = True) -> LLMEngine:
+                gen_vocab: int = VOCAB - 1, strict: bool = True, **settings: Any) -> LLMEngine:
     runner = FakeRunner(num_blocks, block_size, gen_vocab, strict)
-    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
-                          max_num_seqs=max_num_seqs, long_prefill_token_threshold=threshold,
-                          max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
+    config = EngineSettings(block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=budget,
+                            max_num_seqs=max_num_seqs, long_prefill_token_threshold=threshold,
+                            max_model_len=max_model_len, enable_prefix_caching=prefix_caching, **settings)
     engine = LLMEngine(config, runner, list(eos), VOCAB, model_max_len)
     runner.block_manager = engine.block_manager
     return engine

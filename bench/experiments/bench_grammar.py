@@ -194,13 +194,14 @@ def bench_mask(tokenizer: Any, vocab: int, eos: list[int], steps: int = 40) -> d
 def bench_throughput(rounds: int, streams: int, max_tokens: int) -> dict[str, Any]:
     """Decode tokens/s of ``streams`` concurrent requests, all constrained vs none, alternating."""
     from stages.api.max_tokens import MaxTokens
-    from stages.engine.core.engine import EngineConfig, LLMEngine
+    from stages.config import EngineSettings
+    from stages.engine.core.engine import LLMEngine
     from stages.preprocess.grammar import GrammarCompiler
     from stages.preprocess.preprocessor import Preprocessor
     from stages.transport.messages import PreprocessRequest, SamplingParams, StructuredOutputSpec
 
-    engine = LLMEngine.from_config(EngineConfig(max_num_seqs=streams, kv_cache_memory_gb=0.5,
-                                                max_num_batched_tokens=2048))
+    engine = LLMEngine.from_config(MODEL, EngineSettings(device="cpu", max_num_seqs=streams, kv_cache_memory_gb=0.5,
+                                                         max_num_batched_tokens=2048))
     pre = Preprocessor(MODEL)
     compiler = GrammarCompiler(pre.tokenizer, pre.model_vocab_size, pre.eos_token_ids)
     # A schema that cannot finish inside max_tokens (long bounded strings), so both runs produce

@@ -25,7 +25,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from stages.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from stages.config import EngineSettings  # noqa: E402
+from stages.engine.core.engine import LLMEngine  # noqa: E402
 from stages.model_info import EMBEDDED_MODEL  # noqa: E402
 from stages.transport.messages import SamplingParams  # noqa: E402
 
@@ -46,7 +47,7 @@ def mean_decode_step(eng: LLMEngine, streams: int, prompt: int, tokens: int) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="EngineConfig overrides (Python dicts)")
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="EngineSettings overrides (Python dicts)")
     ap.add_argument("--streams", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=128)
@@ -55,8 +56,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    engines = {c: LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=4096,
-                                                     num_threads=a.threads, **ast.literal_eval(c)))
+    engines = {c: LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(**{
+                   "device": "cpu", "num_kv_blocks": 4096, "num_threads": a.threads, **ast.literal_eval(c)}))
                for c in a.configs}
     levels = [int(x) for x in a.streams.split(",")]
     runs: dict[str, dict[int, list[float]]] = {c: {n: [] for n in levels} for c in a.configs}

@@ -24,7 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from stages.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from stages.config import EngineSettings  # noqa: E402
+from stages.engine.core.engine import LLMEngine  # noqa: E402
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
 from stages.transport.messages import SamplingParams  # noqa: E402
 
@@ -34,10 +35,7 @@ HEAVY_LEAVES = ("aten::mm", "aten::addmm", "aten::_weight_int4pack_mm_for_cpu", 
 
 def build(weights: str) -> LLMEngine:
     kwargs = {} if weights == "default" else {"weights": weights}
-    try:
-        return LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=256, **kwargs))
-    except TypeError:  # a revision before the weights switch
-        return LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, num_kv_blocks=256))
+    return LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(device="cpu", num_kv_blocks=256, **kwargs))
 
 
 def measure(eng: LLMEngine, prompt: list[int], steps: int, timed: int) -> dict[str, float]:

@@ -22,7 +22,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from stages.engine.core.engine import EngineConfig, LLMEngine  # noqa: E402
+from stages.config import EngineSettings  # noqa: E402
+from stages.engine.core.engine import LLMEngine  # noqa: E402
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
 from stages.transport.messages import SamplingParams  # noqa: E402
 from tests.unit.engine.runner.test_parity import _TEXTS, _long_text  # noqa: E402
@@ -44,9 +45,9 @@ def run(weights: str, lm_head: str, ps: list[list[int]], n: int, kernel: str = "
     if weights != "float32" and lm_head != "auto":
         loader.lm_head_default = lambda w, b: lm_head  # type: ignore[assignment]
     try:
-        eng = LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, weights=weights, num_kv_blocks=1024,
-                                                 max_num_batched_tokens=64, enable_prefix_caching=False,
-                                                 quant_kernel=kernel))
+        eng = LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(
+            device="cpu", weights=weights, num_kv_blocks=1024, max_num_batched_tokens=64,
+            enable_prefix_caching=False, quant_kernel=kernel))
     finally:
         loader.lm_head_default = saved
     params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)

@@ -16,6 +16,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from stages.config import TracingSettings
 from stages.egress.egress import Egress, EngineStream
 from stages.errors import EngineUnavailableError
 from stages.telemetry import get_tracer, span_from_context
@@ -45,7 +46,7 @@ logger = logging.getLogger("lifecycle.egress")
 class EgressDeployment:
     """CPU stage between the engine and Ingress; scale it with ``num_replicas``."""
 
-    async def __init__(self, engine: Any, model: str, tracing: dict[str, Any] | None = None,
+    async def __init__(self, engine: Any, model: str, tracing: TracingSettings | None = None,
                        directory: Any = None) -> None:
         from stages.model_info import load_cpu_tokenizer
         from stages.telemetry import configure_tracing

@@ -30,7 +30,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from stages.transport.channel import merge_channel_items
-from stages.config import EngineSettings
+from stages.config import EngineSettings, TracingSettings
 from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.core.errors import EngineDeadError
 from stages.engine.driver.interface import build_driver
@@ -59,20 +59,17 @@ logger = logging.getLogger("lifecycle.engine")
 class EngineDeployment:
     """Owns the model; everything else reaches it through its handle."""
 
-    async def __init__(self, model: str, engine: dict[str, Any] | None = None,
-                       tracing: dict[str, Any] | None = None, directory: Any = None) -> None:
+    async def __init__(self, model: str, engine: EngineSettings | None = None,
+                       tracing: TracingSettings | None = None, directory: Any = None) -> None:
+        """``engine`` and ``tracing`` are the app config's sections as validated (defaults when omitted)."""
         from stages.telemetry import configure_logging, configure_tracing
 
         configure_logging()
         configure_tracing(tracing, component="engine")
-        self.settings = EngineSettings(**(engine or {}))
+        self.settings = engine if engine is not None else EngineSettings()
         self.replica = own_replica_id()
-        # device=auto resolves where the model loads (LLMEngine.from_config): with a core process,
-        # this process never imports torch.
-        config = self.settings.to_engine_config(model, resolve_device=False)
-        spec = LoopSpec(config, max_waiting=self.settings.max_waiting_requests, replica=self.replica,
-                        thread_nice=self.settings.step_thread_nice, fault_injection=self.settings.fault_injection,
-                        tracing=tracing)
+        # device=auto resolves where the model loads: with a core process, this process never imports torch.
+        spec = LoopSpec(model, self.settings, replica=self.replica, tracing=tracing)
         self.async_engine = AsyncEngine(build_driver(spec, child_process=self.settings.core_process),
                                         stall_timeout_s=self.settings.stall_timeout_s)
         # A child process loads the model meanwhile; this loop stays free. Outputs are delivered
@@ -87,7 +84,7 @@ class EngineDeployment:
         self.directory = directory
         self._reporter = asyncio.create_task(self._report_loop()) if directory is not None else None
         logger.info("engine %s ready: %s, max_model_len=%d, %d KV blocks of %d tokens%s", self.replica,
-                    model, self.async_engine.max_model_len, self.async_engine.num_blocks, config.block_size,
+                    model, self.async_engine.max_model_len, self.async_engine.num_blocks, self.settings.block_size,
                     f", step loop in process {self.async_engine.driver.pid}")
 
     def _check_alive(self) -> None:

@@ -110,9 +110,11 @@ def _ms(seconds: float | None) -> float:
 class Ingress:
     """HTTP front door. Handles to the other stages are created once and reused."""
 
-    async def __init__(self, preprocess: Any, egress: Any, engine: Any, app_config: dict[str, Any],
+    async def __init__(self, preprocess: Any, egress: Any, engine: Any, app_config: AppConfig,
                        directory: Any = None) -> None:
-        self.cfg = AppConfig.from_args(app_config)
+        """``app_config``: the whole validated config (the Ingress answers for the app: model names,
+        limits, keys, inline preparation)."""
+        self.cfg = app_config
         configure_logging()
         if self.cfg.http.request_log_file:
             handler = logging.FileHandler(self.cfg.http.request_log_file)

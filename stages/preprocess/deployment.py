@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 
 from ray import serve
 
-from stages.preprocess.grammar import GrammarCompiler, GrammarLimits
+from stages.config import StructuredOutputSettings, TracingSettings
+from stages.preprocess.grammar import GrammarCompiler
 from stages.preprocess.preprocessor import (
     ContextLimit,
     Preprocessor,
@@ -66,14 +67,15 @@ class PreprocessDeployment:
     accepts is one every engine can run, and a too-long one gets ``context_length_exceeded`` here.
     """
 
-    def __init__(self, model: str, max_model_len: int, tracing: dict[str, Any] | None = None,
-                 directory: Any = None, structured_outputs: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: str, max_model_len: int, tracing: TracingSettings | None = None,
+                 directory: Any = None, structured_outputs: StructuredOutputSettings | None = None) -> None:
+        """``tracing`` and ``structured_outputs``: the app config's sections (defaults when omitted)."""
         from stages.telemetry import configure_tracing
 
         configure_tracing(tracing, component="preprocess")
         self.pre = Preprocessor(model, max_model_len or None)
         self.grammars = GrammarCompiler(self.pre.tokenizer, self.pre.model_vocab_size, self.pre.eos_token_ids,
-                                        GrammarLimits(**(structured_outputs or {})))
+                                        structured_outputs)
         self.grammars.warm_up()
         self.limit = ContextLimit(self.pre, directory)
         self._pool = ThreadPoolExecutor(max_workers=replica_cpus(), thread_name_prefix="preprocess")

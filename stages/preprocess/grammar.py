@@ -26,34 +26,18 @@ import json
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import llguidance
 from llguidance import LLMatcher
 
+from stages.config import StructuredOutputSettings
 from stages.errors import InvalidRequestError
 from stages.transport.messages import GrammarSpec, StructuredOutputSpec
 
 #: Compact JSON (no free whitespace between tokens): small models otherwise tend to emit runs of
 #: newlines that a flexible-whitespace grammar allows until ``max_tokens``.
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-@dataclass
-class GrammarLimits:
-    """Bounds on what one request may ask to compile, and on the cache."""
-
-    #: Largest spec (schema text, regex, grammar) accepted, in bytes.
-    max_spec_bytes: int = 64 * 1024
-    #: Compilation taking longer than this is a 400.
-    compile_timeout_s: float = 5.0
-    #: llguidance's own bound on the grammar's size (symbols in productions).
-    max_grammar_size: int = 200_000
-    #: Bytes of compiled grammars the cache keeps (least recently used go first).
-    cache_bytes: int = 32 * 1024 * 1024
-    #: Threads compiling at once (each compile is single-threaded and drops the GIL).
-    compile_threads: int = 2
 
 
 class ByteLRU:
@@ -154,8 +138,9 @@ class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer."""
 
     def __init__(self, tokenizer: Any, n_vocab: int, eos_token_ids: list[int],
-                 limits: GrammarLimits | None = None) -> None:
-        self.limits = limits or GrammarLimits()
+                 limits: StructuredOutputSettings | None = None) -> None:
+        """``limits``: the ``structured_outputs`` section (its defaults when omitted)."""
+        self.limits = limits if limits is not None else StructuredOutputSettings()
         tok_json = tokenizer_json(tokenizer)
         self.tokenizer_hash = tokenizer_digest(tok_json, n_vocab)
         self._tok_json, self._n_vocab, self._eos = tok_json, n_vocab, list(eos_token_ids)

@@ -11,9 +11,10 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stages.config import EngineSettings
 from stages.engine.core.block_manager import BlockManager
 from stages.engine.core.errors import (
     DuplicateRequestIdError,
@@ -22,62 +23,10 @@ from stages.engine.core.errors import (
     SamplingError,
 )
 from stages.engine.core.request import EventType, Request, RequestStatus
-from stages.engine.core.scheduler import Scheduler, SchedulerConfig
+from stages.engine.core.scheduler import Scheduler
 from stages.transport.messages import EngineOutput, GrammarSpec, SamplingParams, TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> str:
-    """``auto`` as a concrete device: ``cuda`` when torch sees one, else ``cpu`` (imports torch)."""
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@dataclass
-class EngineConfig:
-    """Everything the engine core needs; validated in ``__post_init__``."""
-
-    model: str = "embedded:smollm2-135m-instruct"
-    device: str = "cpu"
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: int = 0
-    kv_cache_memory_gb: float = 1.0
-    num_threads: int = 0
-    #: Threads for a step with at least ``prefill_threads_min_tokens`` prompt tokens (0: num_threads).
-    prefill_threads: int = 0
-    prefill_threads_min_tokens: int = 128
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    long_prefill_token_threshold: int = 0
-    #: 0: the model's own context length (capped by the KV pool).
-    max_model_len: int = 0
-    enable_prefix_caching: bool = True
-    #: Linear-layer weights: auto (a GGUF's own quantisation on CPU, else float) | float32 | int4 | int8.
-    weights: str = "auto"
-    #: Decode attention: auto (the paged CPU kernel where it builds, else SDPA; FlexAttention on
-    #: CUDA) | paged_kernel | flex | sdpa.
-    attention: str = "auto"
-    #: Decode steps from CUDA graphs: auto (on CUDA with flex attention) | cuda | static | off.
-    decode_graphs: str = "auto"
-    #: Quantised matmuls: auto (the block kernel where it builds, else torch's) | native | torch.
-    quant_kernel: str = "auto"
-    #: Prompt tokens go through the paged kernel too, in the decodes' one call per layer, when every
-    #: prefill chunk of the step ends within this many tokens of context (0: always gather + SDPA).
-    prefill_kernel_max_len: int = 4096
-    #: KV-cache dtype: auto (bfloat16 for quantised weights on CPU, else the model's) | float32 | bfloat16.
-    kv_cache_dtype: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.kv_cache_memory_gb <= 0 and self.num_kv_blocks <= 0:
-            raise ValueError("set num_kv_blocks or a positive kv_cache_memory_gb")
 
 
 @dataclass
@@ -114,10 +63,11 @@ class EngineStats:
 class LLMEngine:
     """Owns the scheduler, the block manager and the model runner."""
 
-    def __init__(self, config: EngineConfig, runner: Any, eos_token_ids: list[int], vocab_size: int,
+    def __init__(self, config: EngineSettings, runner: Any, eos_token_ids: list[int], vocab_size: int,
                  model_max_len: int, grammars: Any = None) -> None:
-        """``grammars`` (a :class:`~stages.engine.core.structured.GrammarBackend`) enables structured
-        outputs; without it a request with a grammar is rejected."""
+        """``config`` is the app's ``engine`` section as validated. ``grammars`` (a
+        :class:`~stages.engine.core.structured.GrammarBackend`) enables structured outputs; without
+        it a request with a grammar is rejected."""
         self.config = config
         self.runner = runner
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -130,12 +80,7 @@ class LLMEngine:
         if self.max_model_len < max_len:
             logger.warning("max_model_len capped to %d tokens by the KV pool", self.max_model_len)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            max_model_len=self.max_model_len,
-        ), self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager)
         self.requests: dict[str, Request] = {}
         self._pending: list[EngineOutput] = []
         self.prompt_tokens_total = 0
@@ -156,28 +101,19 @@ class LLMEngine:
         self.sampling_failures = 0
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        """Load the model named in ``config`` and build an engine around it (``device="auto"``
-        resolves here, in the process that holds the model)."""
-        if config.device == "auto":
-            config = replace(config, device=resolve_device(config.device))
+    def from_config(cls, model: str, config: EngineSettings | None = None) -> LLMEngine:
+        """Load ``model`` (a local directory, a hub id or ``embedded:...``) and build an engine
+        around it with ``config`` (the ``engine`` section; its defaults when omitted). The runner
+        resolves ``device: auto`` here, in the process that holds the model."""
+        from stages.engine.core.structured import GrammarBackend
         from stages.engine.runner.loader import load_state_dict
-        from stages.engine.runner.model_runner import ModelRunner, RunnerConfig
+        from stages.engine.runner.model_runner import ModelRunner
         from stages.model_info import load_config, model_info
 
-        info = model_info(config.model)
-        runner = ModelRunner(RunnerConfig(
-            device=config.device, dtype=config.dtype, block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks, kv_cache_memory_gb=config.kv_cache_memory_gb,
-            num_threads=config.num_threads, prefill_threads=config.prefill_threads,
-            prefill_threads_min_tokens=config.prefill_threads_min_tokens,
-            weights=config.weights, model=config.model, attention=config.attention, quant_kernel=config.quant_kernel,
-            prefill_kernel_max_len=config.prefill_kernel_max_len, kv_cache_dtype=config.kv_cache_dtype,
-            decode_graphs=config.decode_graphs, max_decode_rows=config.max_num_seqs,
-        ), load_config(config.model), load_state_dict(config.model))
-        from stages.engine.core.structured import GrammarBackend
-
-        grammars = GrammarBackend.for_model(config.model, info.vocab_size, info.eos_token_ids)
+        config = config if config is not None else EngineSettings()
+        info = model_info(model)
+        runner = ModelRunner(config, load_config(model), load_state_dict(model), model=model)
+        grammars = GrammarBackend.for_model(model, info.vocab_size, info.eos_token_ids)
         return cls(config, runner, info.eos_token_ids, info.vocab_size, info.max_model_len, grammars)
 
     # -- requests -------------------------------------------------------------------------------

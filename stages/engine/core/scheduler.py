@@ -18,23 +18,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from stages.config import EngineSettings
 from stages.engine.core.block_manager import BlockManager
 from stages.engine.core.request import EventType, Request, RequestStatus
-
-
-@dataclass
-class SchedulerConfig:
-    """Limits of one engine step."""
-
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    #: Largest prefill chunk of a single request per step (0: only the step budget limits it).
-    long_prefill_token_threshold: int = 0
-    max_model_len: int = 2048
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
 @dataclass
@@ -74,7 +60,9 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, step by step, which requests compute which tokens."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: EngineSettings, block_manager: BlockManager) -> None:
+        """``config``: the ``engine`` section; the step's limits are its ``max_num_batched_tokens``,
+        ``max_num_seqs`` and ``long_prefill_token_threshold``."""
         self.config = config
         self.block_manager = block_manager
         self.waiting: deque[Request] = deque()

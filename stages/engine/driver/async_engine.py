@@ -24,7 +24,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.engine.core.engine import EngineConfig, EngineStats
+from stages.config import EngineSettings
+from stages.engine.core.engine import EngineStats
 from stages.engine.core.errors import DuplicateRequestIdError, EngineDeadError
 from stages.engine.driver.interface import Driver
 from stages.engine.driver.messages import Abort, AddRequest, Dead, Fail, Kind, LoopEvent, Outputs
@@ -121,7 +122,7 @@ class AsyncEngine:
         return self.driver.max_waiting
 
     @property
-    def config(self) -> EngineConfig:
+    def config(self) -> EngineSettings:
         return self.driver.config
 
     @property

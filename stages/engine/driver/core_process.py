@@ -42,7 +42,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from stages.engine.core.engine import EngineConfig
+from stages.config import EngineSettings
 from stages.engine.core.errors import EngineDeadError
 from stages.engine.driver.faults import StepFaults
 from stages.engine.driver.interface import Deliver
@@ -80,7 +80,7 @@ class ChildProcessDriver:
 
     def __init__(self, spec: LoopSpec) -> None:
         self.spec = spec
-        self.config: EngineConfig = spec.config
+        self.config: EngineSettings = spec.config
         self.max_waiting = spec.max_waiting
         self.replica = spec.replica
         self.ready: Ready | None = None
@@ -275,7 +275,7 @@ def _child_main(fd: int, slot_fd: int) -> None:
     spec: LoopSpec = conn.recv()
     configure_tracing(spec.tracing, component="engine")
     try:
-        engine = LLMEngine.from_config(spec.config)
+        engine = LLMEngine.from_config(spec.model, spec.config)
     except BaseException as exc:  # noqa: BLE001 - the parent says why the replica failed
         conn.send(StartFailed(repr(exc)))
         raise

@@ -12,7 +12,8 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
-from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.config import EngineSettings
+from stages.engine.core.engine import LLMEngine
 from stages.engine.driver.faults import StepFaults
 from stages.engine.driver.interface import Deliver
 from stages.engine.driver.messages import LoopEvent, LoopSpec, LoopStatus, ToLoop
@@ -25,18 +26,20 @@ if TYPE_CHECKING:
 class InProcessDriver:
     """Runs ``engine``'s :class:`StepLoop` on a daemon thread (see :class:`~stages.engine.driver.interface.Driver`).
 
-    The options are :class:`LoopSpec`'s, with its defaults; ``faults`` is the loop's fault hook
+    ``faults`` is the loop's fault hook
     itself (tests arm it directly), and ``tracer`` gets every finished request."""
 
-    def __init__(self, engine: LLMEngine, *, max_waiting: int = LoopSpec.max_waiting, replica: str = LoopSpec.replica,
-                 faults: StepFaults | None = None, thread_nice: int | None = LoopSpec.thread_nice,
+    def __init__(self, engine: LLMEngine, *, replica: str = "", faults: StepFaults | None = None,
                  tracer: EngineTracer | None = None) -> None:
+        """The loop's own settings (waiting-queue bound, step thread priority) are the engine's
+        config section's."""
         self.engine = engine
-        self.config: EngineConfig = engine.config
-        self.max_waiting = max_waiting
+        self.config: EngineSettings = engine.config
+        self.max_waiting = engine.config.max_waiting_requests
+        thread_nice = engine.config.step_thread_nice
         self.replica = replica
         self._deliver: Deliver | None = None
-        self.loop = StepLoop(engine, self._emit, max_waiting=max_waiting, replica=replica,
+        self.loop = StepLoop(engine, self._emit, max_waiting=self.max_waiting, replica=replica,
                              faults=faults or StepFaults(), thread_nice=thread_nice, tracer=tracer)
         self.thread: threading.Thread | None = None
 

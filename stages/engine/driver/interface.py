@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from stages.engine.core.engine import EngineConfig
+from stages.config import EngineSettings
 from stages.engine.driver.messages import LoopEvent, LoopSpec, LoopStatus, ToLoop
 
 #: Receives the loop's events, in order, on a thread of the driver's (never the event loop's).
@@ -27,7 +27,7 @@ class Driver(Protocol):
     replica: str
     #: The waiting-queue bound the loop enforces.
     max_waiting: int
-    config: EngineConfig
+    config: EngineSettings
 
     def start(self, deliver: Deliver) -> None:
         """Start the loop; its events go to ``deliver``. May block while the model loads (run it
@@ -84,6 +84,5 @@ def build_driver(spec: LoopSpec, child_process: bool) -> Driver:
     from stages.engine.driver.in_process import InProcessDriver
     from stages.engine.driver.tracing import EngineTracer
 
-    return InProcessDriver(LLMEngine.from_config(spec.config), max_waiting=spec.max_waiting, replica=spec.replica,
-                           faults=StepFaults(spec.fault_injection), thread_nice=spec.thread_nice,
-                           tracer=EngineTracer())
+    return InProcessDriver(LLMEngine.from_config(spec.model, spec.config), replica=spec.replica,
+                           faults=StepFaults(spec.fault_injection), tracer=EngineTracer())

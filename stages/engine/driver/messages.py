@@ -23,7 +23,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from stages.engine.core.engine import EngineConfig, EngineStats
+from stages.config import EngineSettings, TracingSettings
+from stages.engine.core.engine import EngineStats
 from stages.transport.messages import EngineOutput, EngineRequest
 
 
@@ -148,15 +149,26 @@ class LoopStatus:
 # -- the child process's framing --------------------------------------------------------------------
 @dataclass
 class LoopSpec:
-    """Everything needed to build an engine and run its step loop (the child's first message)."""
+    """Everything needed to build an engine and run its step loop (the child's first message): the
+    model and the engine's config section; the loop's own settings are read from that section."""
 
     kind: ClassVar[Kind] = Kind.SPEC
-    config: EngineConfig
-    max_waiting: int = 256
+    model: str
+    config: EngineSettings = field(default_factory=EngineSettings)
     replica: str = ""
-    thread_nice: int | None = None
-    fault_injection: bool = False
-    tracing: dict[str, Any] | None = None
+    tracing: TracingSettings | None = None
+
+    @property
+    def max_waiting(self) -> int:
+        return self.config.max_waiting_requests
+
+    @property
+    def thread_nice(self) -> int | None:
+        return self.config.step_thread_nice
+
+    @property
+    def fault_injection(self) -> bool:
+        return self.config.fault_injection
 
 
 @dataclass

@@ -10,97 +10,63 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from stages.engine.runner.decode_graphs import DecodeGraphs
+from stages.config import EngineSettings
 from stages.engine.core.errors import SamplingError
+from stages.engine.core.sampler import Sampler, SamplingContext
+from stages.engine.core.scheduler import ScheduledRequest
+from stages.engine.runner.decode_graphs import DecodeGraphs
 from stages.engine.runner.flex_paged import FlexPagedAttention
 from stages.engine.runner.loader import quantized_weights, resolve_weights
 from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
-from stages.engine.core.sampler import Sampler, SamplingContext
-from stages.engine.core.scheduler import ScheduledRequest
 from stages.transport.messages import TokenLogprob
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RunnerConfig:
-    """Where and how the model runs."""
+def resolve_device(device: str) -> str:
+    """``auto`` as a concrete device: ``cuda`` when torch sees one, else ``cpu``."""
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    device: str = "cpu"
-    #: "float32" on CPU by default; "bfloat16" is the CUDA default.
-    dtype: str = "auto"
-    block_size: int = 16
-    #: Number of KV blocks; 0 derives it from ``kv_cache_memory_gb``.
-    num_kv_blocks: int = 0
-    kv_cache_memory_gb: float = 1.0
-    #: torch intra-op threads on CPU (0: leave torch's default).
-    num_threads: int = 0
-    #: Threads for a step that computes at least ``prefill_threads_min_tokens`` prompt tokens (0:
-    #: ``num_threads``). A step with many prompt tokens is compute-bound, and the CPU stages mostly
-    #: wait on it, so it can take the core that decode steps leave to them (BENCHMARKS.md, round 9).
-    prefill_threads: int = 0
-    prefill_threads_min_tokens: int = 128
-    #: Linear-layer weights: auto | float32 | int4 | int8 (see :func:`loader.resolve_weights`).
-    weights: str = "float32"
-    #: The model's name, to find a GGUF's own blocks for ``weights`` int4.
-    model: str = ""
-    #: LM head under quantised weights: auto (``loader.lm_head_default``) | float | bf16 | int4 | int8 | q8_0.
-    lm_head: str = "auto"
-    #: Quantised layers use their quantised kernel below this many rows, a dense GEMM at or above
-    #: (0: measured on this machine at load, see :func:`quant.calibrate_dense_min_rows`).
-    dense_min_rows: int = 0
-    #: Decode attention: auto (the paged kernel on CPU where it builds, else sdpa; flex on CUDA) |
-    #: paged_kernel | flex (FlexAttention over the block tables, :mod:`stages.engine.runner.flex_paged`) | sdpa.
-    attention: str = "auto"
-    #: Decode-only steps replayed from CUDA graphs (:mod:`stages.engine.runner.decode_graphs`): auto (on
-    #: CUDA when attention is flex) | cuda | static (the same padded static-buffer forward, run
-    #: eagerly: for tests on CPU) | off.
-    decode_graphs: str = "auto"
-    #: Most decode rows in one step (the engine's ``max_num_seqs``): the flex buffers' and the
-    #: largest graph's size.
-    max_decode_rows: int = 64
-    #: Quantised matmuls: auto (the block kernel, int8 activations, where it builds; else torch's) |
-    #: native | torch (torch's int4/int8 kernels, bfloat16 activations).
-    quant_kernel: str = "auto"
-    #: Prompt tokens through the paged kernel when every prefill chunk of the step ends within this
-    #: many tokens of context (0: never). The kernel reads each query's K/V on its own, SDPA shares
-    #: them across a chunk's queries: short contexts favour the kernel (one call per layer instead of
-    #: a gather, a mask and an SDPA call per prompt), long ones SDPA (BENCHMARKS.md, round 8).
-    prefill_kernel_max_len: int = 4096
-    #: KV-cache dtype: auto (see :meth:`cache_dtype`) | float32 | bfloat16. bfloat16 halves the cache's memory
-    #: (twice the tokens in ``kv_cache_memory_gb``) and the bytes attention reads per step, and
-    #: rounds every K and V to bfloat16.
-    kv_cache_dtype: str = "auto"
 
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        return getattr(torch, self.dtype)
+def model_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The weights' and activations' dtype: ``auto`` is bfloat16 on CUDA, float32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
 
-    def cache_dtype(self, weights: str) -> torch.dtype:
-        """The KV cache's dtype given the resolved ``weights``: ``auto`` is bfloat16 for quantised
-        weights on CPU (their activations are rounded to int8 anyway; llama.cpp's cache is 16-bit
-        too), else the model's dtype (float32 weights keep their exact parity)."""
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, not {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype != "auto":
-            return getattr(torch, self.kv_cache_dtype)
-        if weights != "float32" and not self.device.startswith("cuda") and self.torch_dtype() == torch.float32:
-            return torch.bfloat16
-        return self.torch_dtype()
+
+def cache_dtype(kv_cache_dtype: str, weights: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype given the resolved ``weights`` and model ``dtype``: ``auto`` is bfloat16
+    for quantised weights on CPU (their activations are rounded to int8 anyway; llama.cpp's cache
+    is 16-bit too), else the model's dtype (float32 weights keep their exact parity)."""
+    if kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, not {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto":
+        return getattr(torch, kv_cache_dtype)
+    if weights != "float32" and device.type != "cuda" and dtype == torch.float32:
+        return torch.bfloat16
+    return dtype
 
 
 class ModelRunner:
     """Runs one engine step's forward pass and sampling."""
 
-    def __init__(self, config: RunnerConfig, hf_config: object, state_dict: dict[str, torch.Tensor]) -> None:
+    def __init__(self, config: EngineSettings, hf_config: object, state_dict: dict[str, torch.Tensor], *,
+                 model: str = "", lm_head: str = "auto", dense_min_rows: int = 0) -> None:
+        """``config`` is the ``engine`` section (``device: auto`` is resolved here). ``model`` names
+        the model whose ``state_dict`` this is, to find a GGUF's own quantised blocks ("": none).
+        Two knobs no config sets, for experiments: ``lm_head``, the LM head under quantised weights
+        (auto: :func:`loader.lm_head_default` | float | bf16 | int4 | int8 | q8_0), and
+        ``dense_min_rows``, the row count from which quantised layers use a dense GEMM (0: measured
+        at load, :func:`quant.calibrate_dense_min_rows`)."""
         self.config = config
-        self.device = torch.device(config.device)
+        self.device = torch.device(resolve_device(config.device))
         # Checked before any weight is touched, so a bad setting fails at once.
         self.attention = self._attention(config.attention)
         graph_mode = self._graph_mode(config.decode_graphs)
@@ -108,33 +74,33 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         #: Intra-op threads of an ordinary step, and of one that prefills many tokens (CPU only).
         self.step_threads = torch.get_num_threads()
-        self.prefill_threads = (config.prefill_threads or self.step_threads) if config.device == "cpu" else self.step_threads
+        self.prefill_threads = (config.prefill_threads or self.step_threads) if self.device.type == "cpu" else self.step_threads
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise NotImplementedError(f"architecture {arch} is not supported (have {ARCHITECTURES})")
-        self.dtype = config.torch_dtype()
+        self.dtype = model_dtype(config.dtype, self.device)
         self.args = LlamaArgs.from_hf_config(hf_config)
         t0 = time.monotonic()
         # Build on the meta device (no random init of weights we are about to overwrite).
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.args)
-        model = model.to_empty(device=self.device).to(self.dtype)
-        model.tie_and_init_buffers()
-        model.load_hf_state_dict(state_dict)
-        self.weights = resolve_weights(config.weights, config.model, config.device)
+            llama = LlamaForCausalLM(self.args)
+        llama = llama.to_empty(device=self.device).to(self.dtype)
+        llama.tie_and_init_buffers()
+        llama.load_hf_state_dict(state_dict)
+        self.weights = resolve_weights(config.weights, model, str(self.device))
         self.block_kernel = None
         if self.weights != "float32":
             self.block_kernel = self._block_kernel(config.quant_kernel)
-            linears, lm_head = quantized_weights(self.weights, config.model, self.args, state_dict,
-                                                 config.lm_head, block_kernel=self.block_kernel is not None)
-            model.quantize_(linears, lm_head, config.dense_min_rows, self.block_kernel)
-        self.model = model.eval()
+            linears, head = quantized_weights(self.weights, model, self.args, state_dict,
+                                              lm_head, block_kernel=self.block_kernel is not None)
+            llama.quantize_(linears, head, dense_min_rows, self.block_kernel)
+        self.model = llama.eval()
         logger.info("model %s loaded on %s/%s, %s weights (%s kernel, dense from %s rows), in %.1fs", arch,
                     self.device, self.dtype, self.weights,
                     self.block_kernel.isa_name if self.block_kernel is not None else "torch",
-                    getattr(model, "dense_min_rows", "-"), time.monotonic() - t0)
+                    getattr(llama, "dense_min_rows", "-"), time.monotonic() - t0)
 
-        self.cache_dtype = config.cache_dtype(self.weights)
+        self.cache_dtype = cache_dtype(config.kv_cache_dtype, self.weights, self.device, self.dtype)
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_gb)
         # FlexAttention's padded rows need a block no request owns: one more than the block
@@ -151,7 +117,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if self.attention == "flex":
             self.flex = FlexPagedAttention(cache_blocks, self.block_size, scratch_block=self.num_blocks,
-                                           max_rows=config.max_decode_rows, device=self.device)
+                                           max_rows=config.max_num_seqs, device=self.device)
             if graph_mode != "off":
                 self.graphs = DecodeGraphs(self.model, self.kv_caches, self.flex, self.device, graph_mode)
                 self.graphs.capture()

@@ -12,8 +12,9 @@ import llguidance
 import pytest
 
 from stages.errors import InvalidRequestError
+from stages.config import StructuredOutputSettings
 from stages.model_info import load_cpu_tokenizer, model_info
-from stages.preprocess.grammar import ByteLRU, GrammarCompiler, GrammarLimits
+from stages.preprocess.grammar import ByteLRU, GrammarCompiler
 from stages.transport.messages import GrammarSpec, StructuredOutputSpec
 from tests.grammar_schemas import LARGE, SMALL
 
@@ -81,7 +82,7 @@ def test_bad_specs_fail_closed_naming_the_field(compiler: GrammarCompiler, spec:
 def test_limits_give_400(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
     info = model_info(MODEL, tokenizer=tokenizer)
     small = GrammarCompiler(tokenizer, info.vocab_size, info.eos_token_ids,
-                            GrammarLimits(max_spec_bytes=300, compile_timeout_s=0.2, max_grammar_size=50))
+                            StructuredOutputSettings(max_spec_bytes=300, compile_timeout_s=0.2, max_grammar_size=50))
     with pytest.raises(InvalidRequestError, match="limit is 300") as err:
         asyncio.run(small.compile(StructuredOutputSpec("json_schema", json.dumps(LARGE))))
     assert err.value.param == "response_format"

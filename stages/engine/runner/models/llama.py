@@ -89,7 +89,7 @@ class AttentionMetadata:
     #: ``decode_ctx_lens`` (``[B]`` int32) in place, and ``decode_slots``/``decode_mask`` are unset.
     #: In a step whose prompts are all short, every prompt token is such a row too (one per token,
     #: its request's table, context = its position + 1): ``num_decodes`` is then every token and
-    #: ``prefills`` is empty (``RunnerConfig.prefill_kernel_max_len``).
+    #: ``prefills`` is empty (``engine.prefill_kernel_max_len``).
     paged_kernel: Any = None
     decode_tables: torch.Tensor | None = None
     decode_ctx_lens: torch.Tensor | None = None

@@ -6,9 +6,10 @@ import random
 
 import pytest
 
+from stages.config import EngineSettings
 from stages.engine.core.block_manager import BlockManager
 from stages.engine.core.request import EventType, Request, RequestStatus
-from stages.engine.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from stages.engine.core.scheduler import Scheduler, SchedulerOutput
 from stages.transport.messages import SamplingParams
 from tests.fakes import check_block_manager
 
@@ -17,8 +18,8 @@ BS = 4
 
 def make(num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 64, threshold: int = 0,
          caching: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                     long_prefill_token_threshold=threshold),
+    return Scheduler(EngineSettings(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+                                    long_prefill_token_threshold=threshold),
                      BlockManager(num_blocks, BS, caching))
 
 
@@ -295,6 +296,6 @@ def test_finish_from_waiting_and_running_frees_blocks():
 
 def test_config_validation():
     with pytest.raises(ValueError):
-        SchedulerConfig(max_num_batched_tokens=0)
+        EngineSettings(max_num_batched_tokens=0)
     with pytest.raises(ValueError):
-        SchedulerConfig(max_num_seqs=0)
+        EngineSettings(max_num_seqs=0)

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from stages.engine.driver.async_engine import AsyncEngine
+from stages.config import EngineSettings
+from stages.engine.core.engine import LLMEngine
 from stages.engine.driver.in_process import InProcessDriver
-from stages.engine.core.engine import EngineConfig, LLMEngine
 from stages.engine.core.errors import RequestRejectedError
 from stages.engine.core.sampler import Sampler, SamplingContext
 from stages.engine.core.structured import GrammarBackend, unpack_bitmask
@@ -76,8 +77,8 @@ class MaskedFakeRunner(FakeRunner):
 def make_engine(tokenizer, vocab, num_blocks: int = 256, block_size: int = 4, max_num_seqs: int = 8
                 ) -> tuple[LLMEngine, MaskedFakeRunner]:
     runner = MaskedFakeRunner(num_blocks, block_size, gen_vocab=997)
-    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=64,
-                          max_num_seqs=max_num_seqs)
+    config = EngineSettings(block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=64,
+                            max_num_seqs=max_num_seqs)
     engine = LLMEngine(config, runner, vocab[1], vocab[0], 4096, GrammarBackend(tokenizer, vocab[0], vocab[1]))
     runner.block_manager = engine.block_manager
     return engine, runner

@@ -116,7 +116,7 @@ def test_leaving_early_aborts_and_frees_blocks():
 
 def test_queue_bound_and_invalid_requests_raise_engine_errors():
     async def main():
-        eng = _async(_engine(step_s=0.02, max_num_seqs=1), max_waiting=1)
+        eng = _async(_engine(step_s=0.02, max_num_seqs=1, max_waiting_requests=1))
         eng.start()
         with pytest.raises(RequestRejectedError):
             async for _ in eng.generate(EngineRequest("bad", [], params())):
@@ -241,7 +241,7 @@ def test_duplicate_live_id_raises_and_leaves_the_first_stream_alone():
 def test_queue_bound_is_exact_under_a_burst():
     """All adds of a burst reach the step thread together; exactly ``max_waiting`` may wait."""
     async def main():
-        eng = _async(_engine(step_s=0.05, max_num_seqs=1), max_waiting=3)
+        eng = _async(_engine(step_s=0.05, max_num_seqs=1, max_waiting_requests=3))
         eng.start()
         gens = [eng.generate(EngineRequest(f"b{i}", [1, 2], params(max_tokens=40))) for i in range(10)]
         results = await asyncio.gather(*(g.__anext__() for g in gens), return_exceptions=True)

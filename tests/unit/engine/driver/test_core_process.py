@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from stages.engine.core.engine import EngineConfig
+from stages.config import EngineSettings
 from stages.engine.core.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -43,11 +43,12 @@ def tiny_model() -> Path:
     return build_tools_model(cache_root() / "test-models" / "tiny-hermes-tools")
 
 
-def _config(model: Path, **kw: Any) -> EngineConfig:
-    # device auto: the child resolves it (the replica side never imports torch, see below).
-    base = {"model": str(model), "device": "auto", "weights": "float32", "num_threads": 1, "kv_cache_memory_gb": 0.02,
-            "max_num_seqs": 8, "max_num_batched_tokens": 256}
-    return EngineConfig(**{**base, **kw})
+def _config(model: Path, **kw: Any) -> tuple[str, EngineSettings]:
+    """The model and its engine settings. Device auto: the child resolves it (the replica side
+    never imports torch, see below)."""
+    base = {"weights": "float32", "num_threads": 1, "kv_cache_memory_gb": 0.02, "max_num_seqs": 8,
+            "max_num_batched_tokens": 256}
+    return str(model), EngineSettings(**{**base, **kw})
 
 
 class Loop:
@@ -84,8 +85,8 @@ def _start(loop: Loop, engine: AsyncEngine) -> AsyncEngine:
 
 @pytest.fixture(scope="module")
 def core(tiny_model: Path, loop: Loop) -> Iterator[AsyncEngine]:
-    engine = _start(loop, AsyncEngine(ChildProcessDriver(LoopSpec(_config(tiny_model), max_waiting=16, replica="r-core",
-                                                                  fault_injection=True))))
+    engine = _start(loop, AsyncEngine(ChildProcessDriver(LoopSpec(*_config(tiny_model, max_waiting_requests=16,
+                                                                          fault_injection=True), replica="r-core"))))
     yield engine
     engine.shutdown()
 
@@ -110,7 +111,7 @@ def _requests(tag: str) -> list[EngineRequest]:
 
 
 def test_a_child_process_gives_the_same_tokens_as_the_loop_on_a_thread(core, tiny_model, loop) -> None:
-    threaded = AsyncEngine(build_driver(LoopSpec(_config(tiny_model)), child_process=False))
+    threaded = AsyncEngine(build_driver(LoopSpec(*_config(tiny_model)), child_process=False))
 
     async def both() -> tuple[list[dict[int, list[int]]], list[dict[int, list[int]]]]:
         threaded.start()
@@ -224,7 +225,7 @@ def test_a_grammar_is_built_in_the_child_off_its_step_thread(core, tiny_model, l
 
 
 def test_a_hung_step_in_the_child_shows_as_a_stall(tiny_model, loop) -> None:
-    engine = _start(loop, AsyncEngine(ChildProcessDriver(LoopSpec(_config(tiny_model), fault_injection=True)),
+    engine = _start(loop, AsyncEngine(ChildProcessDriver(LoopSpec(*_config(tiny_model, fault_injection=True))),
                                       stall_timeout_s=0.5))
     try:
         engine.arm_fault("step_hang")
@@ -249,7 +250,7 @@ def test_a_hung_step_in_the_child_shows_as_a_stall(tiny_model, loop) -> None:
 
 
 def test_a_killed_child_fails_its_streams_and_the_health_check(tiny_model, loop) -> None:
-    engine = _start(loop, AsyncEngine(ChildProcessDriver(LoopSpec(_config(tiny_model)))))
+    engine = _start(loop, AsyncEngine(ChildProcessDriver(LoopSpec(*_config(tiny_model)))))
     try:
         async def run() -> BaseException:
             agen = engine.generate(EngineRequest("k", [1, 2, 3], _params(3000)))
@@ -276,10 +277,10 @@ def test_the_child_dies_with_its_parent(tiny_model, tmp_path) -> None:
         from stages.engine.driver.async_engine import AsyncEngine
         from stages.engine.driver.core_process import ChildProcessDriver
         from stages.engine.driver.messages import LoopSpec
-        from stages.engine.core.engine import EngineConfig
-        config = EngineConfig(model={str(tiny_model)!r}, weights="float32", num_threads=1, kv_cache_memory_gb=0.02)
+        from stages.config import EngineSettings
+        config = EngineSettings(weights="float32", num_threads=1, kv_cache_memory_gb=0.02)
         async def main():
-            engine = AsyncEngine(ChildProcessDriver(LoopSpec(config)))
+            engine = AsyncEngine(ChildProcessDriver(LoopSpec({str(tiny_model)!r}, config)))
             await asyncio.to_thread(engine.start, asyncio.get_running_loop())
             pathlib.Path({str(pid_file)!r}).write_text(str(engine.driver.pid))
             await asyncio.sleep(600)
@@ -325,8 +326,8 @@ def test_the_replica_side_never_imports_torch() -> None:
         from stages.engine.driver.async_engine import AsyncEngine
         from stages.engine.driver.interface import build_driver
         from stages.engine.driver.messages import LoopSpec
-        config = EngineSettings().to_engine_config("embedded:smollm2-135m-instruct", resolve_device=False)
-        AsyncEngine(build_driver(LoopSpec(config), child_process=True))
+        config = EngineSettings()
+        AsyncEngine(build_driver(LoopSpec("embedded:smollm2-135m-instruct", config), child_process=True))
         print(config.device, "torch" in sys.modules)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,

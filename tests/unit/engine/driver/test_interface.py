@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stages.engine.core.engine import EngineConfig
+from stages.config import EngineSettings
 from stages.engine.driver.core_process import ChildProcessDriver
 from stages.engine.driver.in_process import InProcessDriver
 from stages.engine.driver.interface import Driver
@@ -16,8 +16,8 @@ def _members() -> set[str]:
 
 
 def test_both_drivers_are_drivers_and_own_the_loop_settings() -> None:
-    in_process = InProcessDriver(make_engine(), max_waiting=7, replica="r1")
-    child = ChildProcessDriver(LoopSpec(EngineConfig(model="m", device="cpu"), max_waiting=9, replica="r2"))
+    in_process = InProcessDriver(make_engine(max_waiting_requests=7), replica="r1")
+    child = ChildProcessDriver(LoopSpec("m", EngineSettings(device="cpu", max_waiting_requests=9), replica="r2"))
     try:
         for driver, waiting, replica in ((in_process, 7, "r1"), (child, 9, "r2")):
             missing = {n for n in _members() if not hasattr(type(driver), n) and n not in vars(driver)}
@@ -29,7 +29,8 @@ def test_both_drivers_are_drivers_and_own_the_loop_settings() -> None:
         in_process.shutdown()
 
 
-def test_the_in_process_driver_takes_its_defaults_from_the_loop_spec() -> None:
+def test_the_in_process_driver_takes_its_loop_settings_from_the_engine_config() -> None:
     driver = InProcessDriver(make_engine())
+    defaults = EngineSettings()
     assert (driver.max_waiting, driver.replica, driver.loop.thread_nice) == (
-        LoopSpec.max_waiting, LoopSpec.replica, LoopSpec.thread_nice)
+        defaults.max_waiting_requests, "", defaults.step_thread_nice)

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 
 from stages.config import EngineSettings
 from stages.engine.runner.decode_graphs import DecodeGraphs
-from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.engine.core.engine import LLMEngine
 from stages.engine.runner.flex_paged import FlexPagedAttention, row_sizes
-from stages.engine.runner.model_runner import ModelRunner, RunnerConfig
+from stages.engine.runner.model_runner import ModelRunner
 from stages.model_info import EMBEDDED_MODEL, load_config
 from stages.transport.messages import SamplingParams
 
@@ -163,8 +163,8 @@ def _tokens(engine: LLMEngine, max_tokens: int = 24) -> dict[str, list[int]]:
 
 
 def _engine(**kw) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=EMBEDDED_MODEL, weights="float32", device=DEVICE.type,
-                                              dtype="float32", num_threads=2, max_num_seqs=8, **kw))
+    return LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(weights="float32", device=DEVICE.type, dtype="float32",
+                                                               num_threads=2, max_num_seqs=8, **kw))
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +210,9 @@ def test_settings_and_their_errors() -> None:
     args = load_config(EMBEDDED_MODEL)
     if DEVICE.type == "cpu":
         with pytest.raises(ValueError, match="needs a CUDA device"):
-            ModelRunner(RunnerConfig(attention="flex", decode_graphs="cuda", num_kv_blocks=8), args, {})
+            ModelRunner(EngineSettings(device="cpu", attention="flex", decode_graphs="cuda", num_kv_blocks=8), args, {})
         with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
             DecodeGraphs(lambda *a: None, [], FlexPagedAttention(4, 16, 3, 2, DEVICE, compile=False), DEVICE, "cuda")
-    with pytest.raises(ValueError, match="attention must be"):
-        ModelRunner(RunnerConfig(attention="paged", num_kv_blocks=8), args, {})
+    # A choice that is not one is refused by the config, before any runner is built.
+    with pytest.raises(ValueError, match="attention"):
+        EngineSettings(attention="paged", num_kv_blocks=8)

@@ -22,7 +22,8 @@ import os
 import pytest
 import torch
 
-from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.config import EngineSettings
+from stages.engine.core.engine import LLMEngine
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer, resolve_model_dir
 from stages.transport.messages import SamplingParams
 
@@ -109,10 +110,10 @@ def reference(hf_model, prompts) -> list[tuple[list[int], list[float]]]:
 def _engine(**overrides) -> LLMEngine:
     # On CUDA every decode size is compiled and captured as a graph (11 sizes up to 64, each a
     # Triton compile when cold): 16 sequences keep it to 5 inside gpu_check.sh's step limit.
-    cfg = dict(model=EMBEDDED_MODEL, num_kv_blocks=1024, max_num_batched_tokens=2048,
+    cfg = dict(num_kv_blocks=1024, max_num_batched_tokens=2048,
                max_num_seqs=16 if DEVICE == "cuda" else 64, weights="float32", device=DEVICE, dtype="float32")
     cfg.update(overrides)
-    return LLMEngine.from_config(EngineConfig(**cfg))
+    return LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(**cfg))
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], tag: str = "") -> dict[int, list[int]]:

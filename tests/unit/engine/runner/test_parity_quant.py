@@ -30,7 +30,8 @@ import contextlib
 import pytest
 import torch
 
-from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.config import EngineSettings
+from stages.engine.core.engine import LLMEngine
 from stages.engine.runner.quant import int4_kernels_available
 from stages.model_info import EMBEDDED_MODEL, resolve_model_dir
 from stages.transport.messages import SamplingParams
@@ -51,10 +52,10 @@ NEAR_TIE = 1.0
 
 
 def _engine(weights: str, **overrides) -> LLMEngine:
-    cfg = dict(model=EMBEDDED_MODEL, num_kv_blocks=1024, max_num_batched_tokens=64, max_num_seqs=64,
+    cfg = dict(device="cpu", num_kv_blocks=1024, max_num_batched_tokens=64, max_num_seqs=64,
                enable_prefix_caching=False, weights=weights)
     cfg.update(overrides)
-    return LLMEngine.from_config(EngineConfig(**cfg))
+    return LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(**cfg))
 
 
 def _reference_model(engine: LLMEngine):

@@ -3,13 +3,14 @@ other step on ``num_threads``, with the same tokens as a one-thread engine (the 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from stages.engine.core.engine import EngineConfig, LLMEngine
+from stages.config import EngineSettings
+from stages.engine.core.engine import LLMEngine
+from stages.model_info import EMBEDDED_MODEL
 from stages.transport.messages import SamplingParams
 
 PROMPTS = [[1, *range(100 + 7 * i, 140 + 7 * i)] for i in range(3)]  # 41 tokens each
@@ -21,9 +22,9 @@ def engine() -> Iterator[LLMEngine]:
     """One engine for every case (loading the model is most of the time): each case sets the
     runner's thread settings itself."""
     before = torch.get_num_threads()
-    yield LLMEngine.from_config(EngineConfig(kv_cache_memory_gb=0.05, max_num_batched_tokens=256, num_threads=1,
-                                             prefill_threads=2, prefill_threads_min_tokens=100,
-                                             enable_prefix_caching=False))  # every run computes its prompts
+    yield LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(
+        device="cpu", kv_cache_memory_gb=0.05, max_num_batched_tokens=256, num_threads=1, prefill_threads=2,
+        prefill_threads_min_tokens=100, enable_prefix_caching=False))  # every run computes its prompts
     torch.set_num_threads(before)
 
 
@@ -33,7 +34,7 @@ def _run(eng: LLMEngine, prefill_threads: int, min_tokens: int = 100
     (tokens computed, threads the step ran on)."""
     runner = eng.runner
     runner.prefill_threads = prefill_threads
-    runner.config = dataclasses.replace(runner.config, prefill_threads_min_tokens=min_tokens)
+    runner.config = runner.config.model_copy(update={"prefill_threads_min_tokens": min_tokens})
     steps: list[tuple[int, int]] = []
     prepare = type(runner).prepare
 

@@ -114,10 +114,13 @@ def test_build_is_cached_per_source(tmp_path, monkeypatch):
 @needs_kernel
 def test_a_bfloat16_model_on_cpu_decodes_a_batch_through_the_kernel():
     """The kernel returns float32; a bfloat16 model gets its own dtype back (this crashed in o_proj)."""
-    from stages.engine.core.engine import EngineConfig, LLMEngine
+    from stages.config import EngineSettings
+    from stages.engine.core.engine import LLMEngine
+    from stages.model_info import EMBEDDED_MODEL
     from stages.transport.messages import SamplingParams
 
-    eng = LLMEngine.from_config(EngineConfig(num_kv_blocks=256, dtype="bfloat16", weights="float32"))
+    eng = LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(device="cpu", num_kv_blocks=256, dtype="bfloat16",
+                                                               weights="float32"))
     assert eng.runner.paged_kernel is not None and eng.runner.kv_caches[0][0].dtype == torch.bfloat16
     for i in range(3):
         eng.add_request(f"r{i}", [1, 2, 3, 4 + i], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
@@ -138,13 +141,16 @@ def _mixed_run(prefill_kernel_max_len: int, config_items: tuple) -> tuple[dict[s
     while the others decode: steps mixing decodes, prompt chunks at an offset, and cached blocks."""
     import random
 
-    from stages.engine.core.engine import EngineConfig, LLMEngine
+    from stages.config import EngineSettings
+    from stages.engine.core.engine import LLMEngine
+    from stages.model_info import EMBEDDED_MODEL
     from stages.transport.messages import SamplingParams
 
     # float32 weights: with int8 activations (the quantised default) a 1e-6 difference in attention
     # can flip an activation's rounding, and logprobs then move by ~0.1 on such random prompts.
-    eng = LLMEngine.from_config(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=64, weights="float32",
-                                             prefill_kernel_max_len=prefill_kernel_max_len, **dict(config_items)))
+    eng = LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(
+        device="cpu", num_kv_blocks=256, max_num_batched_tokens=64, weights="float32",
+        prefill_kernel_max_len=prefill_kernel_max_len, **dict(config_items)))
     layouts = []
     prepare = eng.runner.prepare
 
@@ -205,14 +211,15 @@ def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_stays_close(prefill_kern
 def test_a_bfloat16_kv_cache_halves_the_bytes_per_token_and_is_the_quantised_default():
     # A tiny random-weight model: what is checked is the cache's dtype and size, not the model
     # (the embedded model's four loads took ~38 s); int8 weights stand for any quantised format.
-    from stages.engine.core.engine import EngineConfig, LLMEngine
+    from stages.config import EngineSettings
+    from stages.engine.core.engine import LLMEngine
     from stages.model_info import cache_root
     from tests.tools_model import build_tools_model
 
     model = str(build_tools_model(cache_root() / "test-models" / "tiny-hermes-tools"))
 
     def runner(**kw: Any) -> Any:
-        return LLMEngine.from_config(EngineConfig(model=model, kv_cache_memory_gb=0.01, **kw)).runner
+        return LLMEngine.from_config(model, EngineSettings(device="cpu", kv_cache_memory_gb=0.01, **kw)).runner
 
     sizes, per_token = {}, {}
     for dtype in ("float32", "bfloat16"):
