@@ -8,11 +8,14 @@ starts once per session.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 from typing import Any
 
 import httpx
+
+from tests.leftovers import RAY_TEMP_DIRS
 
 #: Environment every Ray process of the tests gets. Direct ingress (on under
 #: RAY_SERVE_THROUGHPUT_OPTIMIZED) otherwise drains each Ingress replica for 30 s at shutdown.
@@ -92,24 +95,45 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port")
 
 
-def start_ray(num_cpus: int = 8) -> tuple[str, str]:
-    """Start Ray and Serve's HTTP proxy once; returns (base url, Ray session dir)."""
+def haproxy_paths(directory: str) -> dict[str, str]:
+    """Serve's HAProxy files (config, admin and metrics sockets, server state) under ``directory``
+    instead of the machine-wide /tmp/haproxy-serve. Serve adds a node-id level (56 characters), so
+    ``directory`` must stay short: a Unix socket path has at most 107."""
+    return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(directory, "haproxy.cfg"),
+            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(directory, "admin.sock"),
+            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": directory,
+            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(directory, "server-state"),
+            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(directory, "metrics.sock")}
+
+
+def start_ray(num_cpus: int = 8, temp_dir: str | None = None) -> tuple[str, str]:
+    """Start Ray and Serve's HTTP edge once; returns (base url, Ray session dir).
+
+    ``temp_dir``: a directory of this Ray's own for its sessions, sockets and logs (``ray/``) and
+    HAProxy's files (``hap/``), which :func:`stop_app` can remove; without it they go where Ray puts
+    them by default (/tmp/ray, /tmp/haproxy-serve), shared with every other Ray on the machine."""
     if "url" in _STATE:
         return _STATE["url"], _STATE["session_dir"]
     if os.environ.get("LIFECYCLE_EDGE", "haproxy") == "haproxy":
         SERVE_ENV.update(haproxy_env())
+        if temp_dir is not None:
+            SERVE_ENV.update(haproxy_paths(os.path.join(temp_dir, "hap")))
     else:  # LIFECYCLE_EDGE=proxy: Serve's proxy actor is the edge, as before HAProxy
         SERVE_ENV["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
     os.environ.update(SERVE_ENV)  # this process's Serve reads them too (build-time checks)
     import ray
     from ray import serve
 
+    if temp_dir is not None:
+        RAY_TEMP_DIRS.append(os.path.join(temp_dir, "ray"))
     port = free_port()
     # address="local": always a fresh cluster of our own, never one `ray start` left on the machine.
     ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                   runtime_env={"env_vars": dict(SERVE_ENV)})
+                   runtime_env={"env_vars": dict(SERVE_ENV)},
+                   _temp_dir=os.path.join(temp_dir, "ray") if temp_dir is not None else None)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     _STATE.update(url=f"http://127.0.0.1:{port}", session_dir=ctx.address_info["session_dir"],
+                  temp_dir=temp_dir,
                   fallback_url=f"http://127.0.0.1:{SERVE_ENV.get('RAY_SERVE_FALLBACK_PROXY_HTTP_PORT', port)}")
     return _STATE["url"], _STATE["session_dir"]
 
@@ -153,10 +177,15 @@ def start_app(args: dict[str, Any], num_cpus: int = 8, timeout_s: float = 300,
     return deploy_app(args, timeout_s=timeout_s, options=options), session_dir
 
 
-def stop_app() -> None:
+def stop_app(keep_dir: bool = False) -> None:
+    """Shut Serve and Ray down; then remove the ``temp_dir`` given to :func:`start_ray` (Ray's
+    session with its logs, HAProxy's files) unless ``keep_dir``: a failed session keeps them to read."""
     import ray
     from ray import serve
 
     serve.shutdown()
     ray.shutdown()
+    temp_dir = _STATE.get("temp_dir")
     _STATE.clear()
+    if temp_dir is not None and not keep_dir:
+        shutil.rmtree(temp_dir, ignore_errors=True)
