@@ -95,29 +95,16 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port")
 
 
-def haproxy_paths(directory: str) -> dict[str, str]:
-    """Serve's HAProxy files (config, admin and metrics sockets, server state) under ``directory``
-    instead of the machine-wide /tmp/haproxy-serve. Serve adds a node-id level (56 characters), so
-    ``directory`` must stay short: a Unix socket path has at most 107."""
-    return {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(directory, "haproxy.cfg"),
-            "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(directory, "admin.sock"),
-            "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": directory,
-            "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(directory, "server-state"),
-            "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(directory, "metrics.sock")}
-
-
 def start_ray(num_cpus: int = 8, temp_dir: str | None = None) -> tuple[str, str]:
     """Start Ray and Serve's HTTP edge once; returns (base url, Ray session dir).
 
-    ``temp_dir``: a directory of this Ray's own for its sessions, sockets and logs (``ray/``) and
-    HAProxy's files (``hap/``), which :func:`stop_app` can remove; without it they go where Ray puts
-    them by default (/tmp/ray, /tmp/haproxy-serve), shared with every other Ray on the machine."""
+    ``temp_dir``: a directory of this Ray's own for its sessions, sockets and logs (``ray/``), which
+    :func:`stop_app` can remove; without it they go to Ray's default /tmp/ray, shared with every
+    other Ray on the machine."""
     if "url" in _STATE:
         return _STATE["url"], _STATE["session_dir"]
     if os.environ.get("LIFECYCLE_EDGE", "haproxy") == "haproxy":
         SERVE_ENV.update(haproxy_env())
-        if temp_dir is not None:
-            SERVE_ENV.update(haproxy_paths(os.path.join(temp_dir, "hap")))
     else:  # LIFECYCLE_EDGE=proxy: Serve's proxy actor is the edge, as before HAProxy
         SERVE_ENV["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
     os.environ.update(SERVE_ENV)  # this process's Serve reads them too (build-time checks)
@@ -178,13 +165,19 @@ def start_app(args: dict[str, Any], num_cpus: int = 8, timeout_s: float = 300,
 
 
 def stop_app(keep_dir: bool = False) -> None:
-    """Shut Serve and Ray down; then remove the ``temp_dir`` given to :func:`start_ray` (Ray's
-    session with its logs, HAProxy's files) unless ``keep_dir``: a failed session keeps them to read."""
+    """Shut Serve and Ray down; then remove what they leave in temp dirs: the HAProxy files Serve
+    keeps per node (under /tmp/haproxy-serve, whose socket paths HAProxy caps at 97 characters, so
+    they cannot move into a deeper dir), and the ``temp_dir`` given to :func:`start_ray` (Ray's
+    session and logs) unless ``keep_dir``: a failed session keeps it to read."""
     import ray
     from ray import serve
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SERVER_STATE_BASE
 
+    node_ids = [n["NodeID"] for n in ray.nodes()] if ray.is_initialized() else []
     serve.shutdown()
     ray.shutdown()
+    for node_id in node_ids:
+        shutil.rmtree(os.path.join(RAY_SERVE_HAPROXY_SERVER_STATE_BASE, node_id), ignore_errors=True)
     temp_dir = _STATE.get("temp_dir")
     _STATE.clear()
     if temp_dir is not None and not keep_dir:
