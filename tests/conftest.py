@@ -83,13 +83,10 @@ GUARDED_KEYS: dict[str, str] = {name: f"sk-{name}-{secrets.token_urlsafe(18)}"
 #: /health open without one, 4 requests in flight per key, bodies up to the largest limit (3.5 MiB:
 #: enough to reach the 4 MiB message limit between deployments), and max_tokens at most 4 so
 #: fuzzing stays cheap. Quantised weights (the CPU default): nothing here compares greedy texts.
-#: One stream per request between the stages (``engine.stream_channel: false``): every other app
-#: shares channels (stages.transport.channel), so the per-request streams stay covered by this app's tests.
 GUARDED_ARGS: dict[str, Any] = {
     "model": "embedded:smollm2-135m-instruct",
     "engine": {"max_num_seqs": 8, "max_waiting_requests": 64, "max_num_batched_tokens": 256,
-               "kv_cache_memory_gb": 0.25, "num_threads": 1, "report_interval_s": 0.5,
-               "stream_channel": False},
+               "kv_cache_memory_gb": 0.25, "num_threads": 1, "report_interval_s": 0.5},
     "http": {"max_body_bytes": 3670016, "keepalive_interval_s": 0.5, "max_tokens_limit": 4,
              "api_keys": [GUARDED_KEYS[k] for k in ("main", "other", "fuzz", "limited")],
              "auth_exempt_paths": ["/health"], "max_concurrent_requests_per_key": 4},
