@@ -155,9 +155,9 @@ async def _call(app: str, deployment: str, method: str, args: tuple[Any, ...]) -
 
 @pytest.fixture(scope="session")
 def serve_session(request: pytest.FixtureRequest) -> Iterator[str]:
-    """One Ray session (and Serve's edge) for every app the tests start. Its files (Ray's session
-    and logs, HAProxy's) go to a temp dir of its own, short enough for Unix socket paths, removed
-    at the end unless a test failed."""
+    """One Ray session (and Serve's edge) for every app the tests start. Ray's session and logs go
+    to a temp dir of its own, removed at the end unless a test failed (HAProxy's files too, where
+    Serve keeps them: :func:`tests.serve_harness.stop_app`)."""
     temp_dir = tempfile.mkdtemp(prefix="lifecycle-ray-")
     _, session_dir = start_ray(temp_dir=temp_dir)
     try:
