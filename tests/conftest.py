@@ -1,18 +1,26 @@
-"""Shared fixtures. The real Serve app starts once per test session (it takes ~20-40 s here)."""
+"""Shared fixtures and the session's rules.
+
+- The real Serve app starts once per test session (it takes ~20-40 s here), in a Ray of its own
+  whose files live in a temp dir removed at the end (kept when a test failed).
+- Tests that use a Serve app get the ``serve`` marker; ``tests/unit`` may hold none of them.
+- Tests under ``tests/gpu`` get the ``gpu`` marker, and ``gpu`` tests skip where CUDA is missing.
+- The session fails if it leaves a dead cluster address or a Ray process behind (tests/leftovers.py).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 import tempfile
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests import leftovers
 from tests.otlp_receiver import OTLPReceiver
 from tests.serve_harness import deploy_app, start_ray, stop_app
 
@@ -146,19 +154,27 @@ async def _call(app: str, deployment: str, method: str, args: tuple[Any, ...]) -
 
 
 @pytest.fixture(scope="session")
-def serve_session() -> Iterator[str]:
-    """One Ray session (and Serve proxy) for every app the tests start."""
-    _, session_dir = start_ray()
+def serve_session(request: pytest.FixtureRequest) -> Iterator[str]:
+    """One Ray session (and Serve's edge) for every app the tests start. Ray's session and logs go
+    to a temp dir of its own, removed at the end unless a test failed (HAProxy's files too, where
+    Serve keeps them: :func:`tests.serve_harness.stop_app`)."""
+    temp_dir = tempfile.mkdtemp(prefix="lifecycle-ray-")
+    _, session_dir = start_ray(temp_dir=temp_dir)
     try:
         yield session_dir
     finally:
-        stop_app()
+        stop_app(keep_dir=request.session.testsfailed > 0)
+
+
+def _request_log(factory: pytest.TempPathFactory, name: str) -> str:
+    """A fresh path for an app's per-request log, in pytest's temp dir (it keeps the last 3 sessions')."""
+    return str(factory.mktemp(f"requests-{name}") / "requests.jsonl")
 
 
 @pytest.fixture(scope="session")
-def serve_app(serve_session: str) -> Iterator[ServeApp]:
+def serve_app(serve_session: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeApp]:
     otlp = OTLPReceiver()
-    request_log = os.path.join(tempfile.mkdtemp(prefix="lifecycle-test-"), "requests.jsonl")
+    request_log = _request_log(tmp_path_factory, "lifecycle")
     args = {**TEST_ARGS, "tracing": {**TEST_ARGS["tracing"], "otlp_endpoint": otlp.endpoint},
             "http": {**TEST_ARGS["http"], "request_log_file": request_log}}
     url = deploy_app(args)
@@ -169,19 +185,19 @@ def serve_app(serve_session: str) -> Iterator[ServeApp]:
 
 
 def _named_app(session_dir: str, base_args: dict[str, Any], name: str,
-               options: dict[str, dict[str, Any]]) -> ServeApp:
+               options: dict[str, dict[str, Any]], request_log: str) -> ServeApp:
     """Deploy one more app into the session's Ray/Serve (name ``name`` at ``/name``), with its own
     request log."""
-    request_log = os.path.join(tempfile.mkdtemp(prefix=f"lifecycle-test-{name}-"), "requests.jsonl")
     args = {**base_args, "http": {**base_args["http"], "request_log_file": request_log}}
     url = deploy_app(args, name=name, route_prefix=f"/{name}", options=options)
     return ServeApp(url=url, otlp=None, args=args, session_dir=session_dir, request_log=request_log, name=name)
 
 
 @pytest.fixture(scope="session")
-def serve_app_replicas(serve_session: str) -> Iterator[ServeApp]:
+def serve_app_replicas(serve_session: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeApp]:
     """The app with every stage at 2 replicas (its own name and route prefix, same Ray session)."""
-    yield _named_app(serve_session, REPLICAS_ARGS, "replicas", REPLICAS_OPTIONS)
+    yield _named_app(serve_session, REPLICAS_ARGS, "replicas", REPLICAS_OPTIONS,
+                     _request_log(tmp_path_factory, "replicas"))
 
 
 @pytest.fixture(scope="session")
@@ -192,9 +208,10 @@ def fault_app(serve_session: str) -> Iterator[ServeApp]:
 
 
 @pytest.fixture(scope="session")
-def serve_app_guarded(serve_session: str) -> Iterator[ServeApp]:
+def serve_app_guarded(serve_session: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeApp]:
     """The app with API keys and fuzzing-friendly limits (own name and route prefix, same Ray session)."""
-    yield _named_app(serve_session, GUARDED_ARGS, "guarded", GUARDED_OPTIONS)
+    yield _named_app(serve_session, GUARDED_ARGS, "guarded", GUARDED_OPTIONS,
+                     _request_log(tmp_path_factory, "guarded"))
 
 
 #: The tool-calling app: a tiny random-weight model with a tools-aware template (tests/tools_model.py).
@@ -219,9 +236,56 @@ def serve_app_tools(serve_session: str) -> Iterator[ServeApp]:
     yield ServeApp(url=url, otlp=None, args=args, session_dir=serve_session, name="tools")
 
 
+#: Fixtures that start a real Serve app.
+SERVE_FIXTURES = {"serve_app", "serve_app_replicas", "fault_app", "serve_app_guarded", "serve_app_tools"}
+TESTS = Path(__file__).resolve().parent
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that use the real Serve app get the ``serve`` marker (``-m "not serve"`` skips them)."""
+    """Tests that use a real Serve app get the ``serve`` marker (``-m "not serve"`` skips them), and
+    ``tests/unit`` may hold none of them (nor any ``cluster`` test): it is the loop that runs
+    without Ray Serve. Tests under ``tests/gpu`` get the ``gpu`` marker; ``gpu`` tests skip where
+    torch sees no CUDA device."""
+    misplaced, gpu_items = [], []
     for item in items:
-        fixtures = {"serve_app", "serve_app_replicas", "fault_app", "serve_app_guarded", "serve_app_tools"}
-        if fixtures & set(getattr(item, "fixturenames", ())):
+        if SERVE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.serve)
+        path = Path(str(item.path))
+        if path.is_relative_to(TESTS / "gpu"):
+            item.add_marker(pytest.mark.gpu)
+        if path.is_relative_to(TESTS / "unit") and (item.get_closest_marker("serve")
+                                                    or item.get_closest_marker("cluster")):
+            misplaced.append(item.nodeid)
+        if item.get_closest_marker("gpu"):
+            gpu_items.append(item)
+    if misplaced:
+        raise pytest.UsageError("tests/unit must run without a Serve app or a cluster; move these to "
+                                "tests/app or tests/cluster:\n  " + "\n  ".join(misplaced))
+    if gpu_items:
+        import torch
+
+        if not torch.cuda.is_available():
+            skip = pytest.mark.skip(reason="needs a CUDA device (torch sees none)")
+            for item in gpu_items:
+                item.add_marker(skip)
+
+
+_ADDRESS_BEFORE = pytest.StashKey[str | None]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_ADDRESS_BEFORE] = leftovers.read_address(leftovers.default_address_file())
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session if it left a dead cluster address or a Ray process behind."""
+    found = leftovers.problems(session.config.stash.get(_ADDRESS_BEFORE, None))
+    if not found:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.section("the session left state behind", sep="=", red=True, bold=True)
+        for line in found:
+            reporter.line(line, red=True)
+    if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -8,11 +8,14 @@ starts once per session.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 from typing import Any
 
 import httpx
+
+from tests.leftovers import RAY_TEMP_DIRS
 
 #: Environment every Ray process of the tests gets. Direct ingress (on under
 #: RAY_SERVE_THROUGHPUT_OPTIMIZED) otherwise drains each Ingress replica for 30 s at shutdown.
@@ -92,8 +95,12 @@ def free_port() -> int:
     raise RuntimeError("no free loopback port")
 
 
-def start_ray(num_cpus: int = 8) -> tuple[str, str]:
-    """Start Ray and Serve's HTTP proxy once; returns (base url, Ray session dir)."""
+def start_ray(num_cpus: int = 8, temp_dir: str | None = None) -> tuple[str, str]:
+    """Start Ray and Serve's HTTP edge once; returns (base url, Ray session dir).
+
+    ``temp_dir``: a directory of this Ray's own for its sessions, sockets and logs (``ray/``), which
+    :func:`stop_app` can remove; without it they go to Ray's default /tmp/ray, shared with every
+    other Ray on the machine."""
     if "url" in _STATE:
         return _STATE["url"], _STATE["session_dir"]
     if os.environ.get("LIFECYCLE_EDGE", "haproxy") == "haproxy":
@@ -104,12 +111,16 @@ def start_ray(num_cpus: int = 8) -> tuple[str, str]:
     import ray
     from ray import serve
 
+    if temp_dir is not None:
+        RAY_TEMP_DIRS.append(os.path.join(temp_dir, "ray"))
     port = free_port()
     # address="local": always a fresh cluster of our own, never one `ray start` left on the machine.
     ctx = ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
-                   runtime_env={"env_vars": dict(SERVE_ENV)})
+                   runtime_env={"env_vars": dict(SERVE_ENV)},
+                   _temp_dir=os.path.join(temp_dir, "ray") if temp_dir is not None else None)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     _STATE.update(url=f"http://127.0.0.1:{port}", session_dir=ctx.address_info["session_dir"],
+                  temp_dir=temp_dir,
                   fallback_url=f"http://127.0.0.1:{SERVE_ENV.get('RAY_SERVE_FALLBACK_PROXY_HTTP_PORT', port)}")
     return _STATE["url"], _STATE["session_dir"]
 
@@ -153,10 +164,21 @@ def start_app(args: dict[str, Any], num_cpus: int = 8, timeout_s: float = 300,
     return deploy_app(args, timeout_s=timeout_s, options=options), session_dir
 
 
-def stop_app() -> None:
+def stop_app(keep_dir: bool = False) -> None:
+    """Shut Serve and Ray down; then remove what they leave in temp dirs: the HAProxy files Serve
+    keeps per node (under /tmp/haproxy-serve, whose socket paths HAProxy caps at 97 characters, so
+    they cannot move into a deeper dir), and the ``temp_dir`` given to :func:`start_ray` (Ray's
+    session and logs) unless ``keep_dir``: a failed session keeps it to read."""
     import ray
     from ray import serve
+    from ray.serve._private.constants import RAY_SERVE_HAPROXY_SERVER_STATE_BASE
 
+    node_ids = [n["NodeID"] for n in ray.nodes()] if ray.is_initialized() else []
     serve.shutdown()
     ray.shutdown()
+    for node_id in node_ids:
+        shutil.rmtree(os.path.join(RAY_SERVE_HAPROXY_SERVER_STATE_BASE, node_id), ignore_errors=True)
+    temp_dir = _STATE.get("temp_dir")
     _STATE.clear()
+    if temp_dir is not None and not keep_dir:
+        shutil.rmtree(temp_dir, ignore_errors=True)

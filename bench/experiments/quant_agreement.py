@@ -2,7 +2,7 @@
 """Greedy agreement of each quantised weight path with the float32 model over the parity prompts.
 
 The float32 engine is token-exact with transformers on the GGUF's exact dequantisation
-(``tests/unit/engine/runner/test_parity.py``); this measures how far each quantised path (and LM-head choice)
+(``tests/parity/test_parity.py``); this measures how far each quantised path (and LM-head choice)
 moves greedy decoding from it: per prompt, the number of leading tokens equal to float32's, out of
 ``--tokens``. All prompts run at once (chunked prefill, 64-token chunks), as in the parity test.
 
@@ -26,7 +26,7 @@ from stages.config import EngineSettings  # noqa: E402
 from stages.engine.core.engine import LLMEngine  # noqa: E402
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer  # noqa: E402
 from stages.transport.messages import SamplingParams  # noqa: E402
-from tests.unit.engine.runner.test_parity import _TEXTS, _long_text  # noqa: E402
+from tests.parity.test_parity import _TEXTS, _long_text  # noqa: E402
 
 
 def prompts() -> list[list[int]]:

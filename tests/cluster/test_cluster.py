@@ -127,14 +127,17 @@ class Timeline:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
+def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """The cluster with the app on it; stopped afterwards, its files kept only if something failed."""
     c = LocalCluster()
+    failures, passed = request.session.testsfailed, False
     try:
         c.start(WORKERS, head_resources={"frontend": 4})
         c.serve_run(yaml.safe_load(CONFIG.read_text()))
         yield c
+        passed = request.session.testsfailed == failures
     finally:
-        c.stop()
+        c.stop(keep_dir=not passed)
 
 
 def wait_for(pred: Any, timeout: float, what: str, period: float = 0.5) -> None:

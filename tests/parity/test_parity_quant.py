@@ -14,7 +14,7 @@ itself: the same float32 reference with every linear layer's input and output ro
 span ±30 for a 13-token prompt). The test requires our logits within ``NOISE_FACTOR`` times that
 emulated noise of the reference, and below ``LOGIT_TOL`` outright; a greedy divergence is accepted
 only at a step where the reference's top-2 logit gap is below ``NEAR_TIE``, with every token before
-it identical. The float32 path is unaffected (exact parity in ``test_engine_parity.py``).
+it identical. The float32 path is unaffected (exact parity in ``test_parity.py``).
 
 The block kernel (``quant_kernel=native``, the default where it builds) rounds activations to int8
 per block of 32 instead, as llama.cpp does for these formats, and computes in float32 from there; the
@@ -35,9 +35,9 @@ from stages.engine.core.engine import LLMEngine
 from stages.engine.runner.quant import int4_kernels_available
 from stages.model_info import EMBEDDED_MODEL, resolve_model_dir
 from stages.transport.messages import SamplingParams
-from tests.unit.engine.runner.test_parity import MAX_NEW, _run
-from tests.unit.engine.runner.test_parity import prompts as prompts  # noqa: F401 (fixture)
-from tests.unit.engine.runner.test_parity import tokenizer as tokenizer  # noqa: F401 (fixture)
+from tests.parity.test_parity import MAX_NEW, _run
+from tests.parity.test_parity import prompts as prompts  # noqa: F401 (fixture)
+from tests.parity.test_parity import tokenizer as tokenizer  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not int4_kernels_available(), reason="no CPU int4 kernels in torch")
 

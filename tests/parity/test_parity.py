@@ -1,5 +1,5 @@
 """Token-exact parity of the engine with transformers on the embedded model (float32 weights, CPU;
-the quantised weight formats have their own test, ``test_engine_parity_quant.py``).
+the quantised weight formats have their own test, ``test_parity_quant.py``).
 
 The reference is ``transformers`` greedy ``generate`` on the same weights, one prompt at a time.
 Our engine must produce the same token ids alone, all at once (mixed prefill and decode with
