@@ -35,7 +35,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, WatchReply
+from stages.transport.messages import AbortRequest, EngineReport, LiveEntry
 
 #: An engine replica that missed this many of its reports in a row counts as gone ...
 MISSED_REPORTS = 8

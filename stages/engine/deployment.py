@@ -29,12 +29,12 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from stages.transport.channel import merge_channel_items
 from stages.config import EngineSettings, TracingSettings
-from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.core.errors import EngineDeadError
+from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.driver.interface import build_driver
 from stages.engine.driver.messages import LoopSpec
+from stages.transport.channel import merge_channel_items
 from stages.transport.liveness import own_replica_id
 from stages.transport.messages import (
     AbortRequest,

@@ -31,6 +31,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from stages.api.fields import preprocess_fields, tool_parsing
+from stages.api.openapi import build_openapi
+from stages.api.render import CHAT, COMPLETION, TIMING_FIELD, renderer, server_timing_header
+from stages.api.requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+    to_sampling_params,
+)
 from stages.config import AppConfig
 from stages.errors import (
     EngineUnavailableError,
@@ -44,7 +53,6 @@ from stages.errors import (
 from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
 from stages.ingress.http_errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
-from stages.api.openapi import build_openapi
 from stages.ingress.prep import Prep
 from stages.ingress.sse import relay, sse_response
 from stages.ingress.tokens import TokenRoutes
@@ -55,25 +63,17 @@ from stages.ingress.views import (
     metrics_page,
     report_metrics_forever,
 )
-from stages.transport.consumer import Consumer
-from stages.transport.liveness import own_actor_name, own_replica_id
 from stages.metrics import IngressMetrics, RequestRecord
 from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
-from stages.api.fields import preprocess_fields, tool_parsing
-from stages.api.render import CHAT, COMPLETION, TIMING_FIELD, renderer, server_timing_header
-from stages.api.requests import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_request,
-    to_sampling_params,
-)
+from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
+from stages.transport.consumer import Consumer
+from stages.transport.liveness import own_actor_name, own_replica_id
 from stages.transport.messages import (
     AbortRequest,
     GenerationJob,
     PreprocessRequest,
     StreamSummary,
 )
-from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
 
 logger = logging.getLogger("lifecycle.ingress")
 #: One JSON line per finished request (stderr with the rest; optionally also a file).

@@ -28,11 +28,11 @@ from typing import Any
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from stages.api.render import SSE_HEADERS, SSE_KEEPALIVE, renderer, sse_event, usage
 from stages.errors import EngineUnavailableError, InternalServerError, RequestTimeoutError, SlowReaderError
 from stages.ingress.backpressure import StreamBuffer
 from stages.ingress.http_errors import to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
-from stages.api.render import SSE_HEADERS, SSE_KEEPALIVE, renderer, sse_event, usage
 from stages.transport.messages import GenerationJob, StreamFrame, StreamStart, StreamSummary
 
 logger = logging.getLogger("lifecycle.ingress")

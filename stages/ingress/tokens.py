@@ -11,10 +11,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from stages.transport.chunking import join_reply, render_json
-from stages.ingress.http_errors import error_response
 from stages.api.render import server_timing_header
 from stages.api.requests import DetokenizeRequest, TokenizeRequest, messages_to_dicts, parse_request
+from stages.ingress.http_errors import error_response
+from stages.transport.chunking import join_reply, render_json
 
 
 class TokenRoutes:

@@ -21,9 +21,9 @@ from stages.transport.messages import (
     EngineRequest,
     SamplingParams,
 )
-from tests.conftest import MODEL_NAME, _handle_loop
 from tests.app.test_cancellation import assert_no_leaks, wait_idle
 from tests.app.test_streaming import SSE, check_framing, stream_sse, streamed_text
+from tests.conftest import MODEL_NAME, _handle_loop
 
 
 def _request(prompt: list[int], max_tokens: int) -> EngineRequest:

@@ -8,8 +8,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.conftest import MODEL_NAME
 from tests.app.test_cancellation import wait_idle
+from tests.conftest import MODEL_NAME
 
 pytestmark = pytest.mark.serve
 

@@ -16,8 +16,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.conftest import MODEL_NAME
 from tests.app.test_cancellation import LongStreams, poll_stats, wait_idle
+from tests.conftest import MODEL_NAME
 
 pytestmark = pytest.mark.serve
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 
 from bench.soak import run_soak
-from tests.conftest import ServeApp
 from tests.app.test_faults import APP, _ready
+from tests.conftest import ServeApp
 
 
 def test_soak_60s_leaves_nothing_behind(fault_app: ServeApp) -> None:

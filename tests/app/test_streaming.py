@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from stages.model_info import load_tokenizer
-from tests.conftest import MODEL_NAME
 from tests.app.test_cancellation import LongStreams, poll_stats, wait_idle
+from tests.conftest import MODEL_NAME
 
 pytestmark = pytest.mark.serve
 

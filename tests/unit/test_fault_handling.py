@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from stages.engine.driver.async_engine import AsyncEngine
-from stages.engine.driver.in_process import InProcessDriver
 from stages.engine.core.errors import EngineDeadError
+from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.driver.faults import FaultInjectionDisabledError, StepFaults
+from stages.engine.driver.in_process import InProcessDriver
 from stages.errors import EngineUnavailableError
 from stages.ingress.backpressure import StreamBuffer
 from stages.ingress.sse import relay, sse_response

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from stages.directory.directory import LiveDirectory
-from stages.transport.messages import AbortRequest, AdmissionBatch, EngineReport, LiveEntry
 from stages.routing import FULL, EgressRouter, ReplicaLoad, SentSinceReport, prefix_key, rank, start_cost
+from stages.transport.messages import AbortRequest, AdmissionBatch, EngineReport, LiveEntry
 
 
 def load(waiting: int = 0, running: int = 0, free: int = 100, max_seqs: int = 8, max_waiting: int = 16) -> ReplicaLoad:

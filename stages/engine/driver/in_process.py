@@ -16,7 +16,7 @@ from stages.config import EngineSettings
 from stages.engine.core.engine import LLMEngine
 from stages.engine.driver.faults import StepFaults
 from stages.engine.driver.interface import Deliver
-from stages.engine.driver.messages import LoopEvent, LoopSpec, LoopStatus, ToLoop
+from stages.engine.driver.messages import LoopEvent, LoopStatus, ToLoop
 from stages.engine.driver.step_loop import StepLoop
 
 if TYPE_CHECKING:

@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from stages.api.openapi import build_openapi
 from stages.config import AppConfig, HttpSettings
 from stages.errors import AuthenticationError
 from stages.ingress.auth import ApiKeys, AuthMiddleware, key_id, keys_from_env, request_key_id
-from stages.api.openapi import build_openapi
 
 KEY, OTHER = "sk-test-0123456789", "sk-other-abcdef"
 

@@ -11,8 +11,8 @@ import time
 import llguidance
 import pytest
 
-from stages.errors import InvalidRequestError
 from stages.config import StructuredOutputSettings
+from stages.errors import InvalidRequestError
 from stages.model_info import load_cpu_tokenizer, model_info
 from stages.preprocess.grammar import ByteLRU, GrammarCompiler
 from stages.transport.messages import GrammarSpec, StructuredOutputSpec

@@ -15,15 +15,15 @@ import jsonschema
 import pytest
 import torch
 
-from stages.engine.driver.async_engine import AsyncEngine
 from stages.config import EngineSettings
 from stages.engine.core.engine import LLMEngine
-from stages.engine.driver.in_process import InProcessDriver
 from stages.engine.core.errors import RequestRejectedError
 from stages.engine.core.sampler import Sampler, SamplingContext
 from stages.engine.core.structured import GrammarBackend, unpack_bitmask
-from stages.preprocess.grammar import GrammarCompiler
+from stages.engine.driver.async_engine import AsyncEngine
+from stages.engine.driver.in_process import InProcessDriver
 from stages.model_info import load_cpu_tokenizer, model_info
+from stages.preprocess.grammar import GrammarCompiler
 from stages.transport.messages import EngineRequest, SamplingParams, StructuredOutputSpec
 from tests.fakes import FakeRunner, check_engine, run_all
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from stages.config import EngineSettings
-from stages.engine.runner.decode_graphs import DecodeGraphs
 from stages.engine.core.engine import LLMEngine
+from stages.engine.runner.decode_graphs import DecodeGraphs
 from stages.engine.runner.flex_paged import FlexPagedAttention, row_sizes
 from stages.engine.runner.model_runner import ModelRunner
 from stages.model_info import EMBEDDED_MODEL, load_config

@@ -8,8 +8,8 @@ import ctypes
 import pytest
 import torch
 
-from stages.engine.runner import kernels
 from stages.engine.core.sampler import Sampler, SamplingContext
+from stages.engine.runner import kernels
 from stages.transport.messages import SamplingParams
 
 native = kernels.row_argmax()

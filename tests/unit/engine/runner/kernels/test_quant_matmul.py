@@ -15,7 +15,15 @@ from gguf.quants import dequantize, quantize
 
 from stages.engine.runner import kernels
 from stages.engine.runner.loader import read_gguf_q8_0, split_q4_1, split_q8_0
-from stages.engine.runner.quant import GROUP, BlockInt8, GroupInt4, QuantLinear, cpu_flags, pack_q4_1, pack_q8_0
+from stages.engine.runner.quant import (
+    GROUP,
+    BlockInt8,
+    GroupInt4,
+    QuantLinear,
+    cpu_flags,
+    pack_q4_1,
+    pack_q8_0,
+)
 
 kernel = kernels.quant_matmul()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler here: torch's int4/int8 kernels run")
