@@ -319,7 +319,7 @@ def test_engine_aborts_a_stream_whose_reader_no_longer_exists(fault_app: ServeAp
     from tests.conftest import _handle_loop
 
     _ready(fault_app)
-    before = fault_app.engine_stats()["consumer_gone_aborts"]
+    before = fault_app.engine_stats()
 
     async def submit() -> Any:
         handle = serve.get_deployment_handle("Engine", app_name=APP)
@@ -331,9 +331,12 @@ def test_engine_aborts_a_stream_whose_reader_no_longer_exists(fault_app: ServeAp
     t0 = time.monotonic()
     answer = asyncio.run_coroutine_threadsafe(submit(), _handle_loop()).result(timeout=60)
     assert answer.error is None, answer.error
+    wait_for(lambda: fault_app.engine_stats()["consumer_gone_aborts"] > before["consumer_gone_aborts"], 10,
+             "the liveness watch to end the probe")
     wait_for(lambda: _engine_idle(fault_app), 10, "the engine to abort the probe")
     assert time.monotonic() - t0 < 10
-    assert fault_app.engine_stats()["consumer_gone_aborts"] > before
+    after = fault_app.engine_stats()
+    assert after["finished_total"]["abort"] == before["finished_total"]["abort"] + 1, after["finished_total"]
 
 
 def test_egress_ends_a_stream_whose_reader_no_longer_exists(fault_app: ServeApp) -> None:

@@ -296,7 +296,7 @@ def test_an_abort_routed_past_its_draining_replica_is_forwarded_and_taken_there(
 
     # Named replicas no router knows: the call lands on some live replica, which forwards it.
     app.call("Engine", "abort", AbortRequest("engine-draining", ["e1"]))
-    app.call("Egress", "cancel", AbortRequest("egress-draining", ["j1"]))
+    app.call("Egress", "abort", AbortRequest("egress-draining", ["j1"]))
     assert app.call("Directory", "take_aborts", "engine-draining") == ["e1"]
     assert app.call("Directory", "take_aborts", "egress-draining") == ["j1"]
 
