@@ -1,10 +1,11 @@
 """Structured outputs in the engine: one llguidance matcher per request, one token bitmask per step.
 
 Preprocess compiled and validated the grammar (:mod:`stages.preprocess.grammar`); what arrives is a
-:class:`~stages.transport.messages.GrammarSpec`. :meth:`GrammarBackend.prepare` builds the matcher for it
-on a worker thread, off both the event loop and the step loop, and keeps that *template* by the
-spec's key; each choice then gets its own copy (``deep_copy`` costs about a microsecond). The step
-thread never compiles: a request whose template is missing is rejected with a clear error.
+:class:`~stages.transport.messages.GrammarSpec`. :meth:`GrammarBackend.build_in_background` builds
+the matcher for it on a worker thread, off both the event loop and the step loop, and keeps that
+*template* by the spec's key; each choice then gets its own copy (``deep_copy`` costs about a
+microsecond). The step thread never compiles: a request whose template is missing is rejected with
+a clear error.
 
 Each step the runner asks :func:`fill_bitmask` for the rows that sample, while the model runs
 (llguidance fills the rows on its own thread pool, without the GIL); the sampler masks the logits
@@ -18,13 +19,13 @@ the request's output tokens, and rolls back or replays to match when it has not.
 
 from __future__ import annotations
 
-import asyncio
 import bisect
 import concurrent.futures
 import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 from llguidance import LLMatcher
 
-from stages.engine.core.errors import RequestRejectedError
+from stages.engine.core.errors import EngineError, RequestRejectedError
 from stages.preprocess.grammar import make_llg_tokenizer, tokenizer_digest, tokenizer_json
 from stages.transport.messages import GrammarSpec
 
@@ -169,24 +170,34 @@ class GrammarBackend:
                 self._templates.popitem(last=False)
         return template
 
-    async def prepare(self, spec: GrammarSpec) -> LLMatcher:
-        """The template for ``spec``, built on a worker thread under a timeout when missing."""
-        template = self.lookup(spec)
-        if template is not None and spec.tokenizer_hash == self.tokenizer_hash:
-            return template
-        future = asyncio.get_running_loop().run_in_executor(self._pool, self.build, spec)
-        try:
-            return await asyncio.wait_for(future, self.compile_timeout_s)
-        except TimeoutError:
-            raise RequestRejectedError(
-                f"building the {spec.kind} grammar took longer than {self.compile_timeout_s:g} s") from None
+    def build_in_background(self, spec: GrammarSpec,
+                            done: Callable[[LLMatcher | None, EngineError | None], None]) -> None:
+        """Build ``spec``'s template on the backend's worker threads, then call ``done(template,
+        None)`` or ``done(None, error)`` there. A build slower than ``compile_timeout_s`` fails too:
+        its template is kept for the next request, but this one has waited long enough."""
+
+        def run() -> None:
+            started = time.monotonic()
+            try:
+                template = self.build(spec)
+                if time.monotonic() - started > self.compile_timeout_s:
+                    raise RequestRejectedError(f"building the {spec.kind} grammar took longer "
+                                               f"than {self.compile_timeout_s:g} s")
+            except EngineError as exc:
+                done(None, exc)
+            except Exception as exc:  # noqa: BLE001 - a broken grammar ends its request only
+                done(None, RequestRejectedError(f"the grammar failed to build: {exc}"))
+            else:
+                done(template, None)
+
+        self._pool.submit(run)
 
     def new_state(self, spec: GrammarSpec, template: LLMatcher | None = None) -> GrammarState:
         """A fresh matcher for one request; raises when the template was not prepared."""
         template = template if template is not None else self.lookup(spec)
         if template is None:
             raise RequestRejectedError(
-                f"the {spec.kind} grammar is not built on this engine (prepare() it first); "
+                f"the {spec.kind} grammar is not built on this engine (build it first); "
                 "the step loop never compiles")
         return GrammarState(template.deep_copy(), spec.kind)
 

@@ -31,7 +31,6 @@ from stages.engine.core.errors import (
     EngineDeadError,
     EngineError,
     EngineOverloadedError,
-    RequestRejectedError,
 )
 from stages.engine.driver.faults import StepFaults
 from stages.engine.driver.messages import (
@@ -247,21 +246,11 @@ class StepLoop:
         grammars = self.engine.grammars
         self._building.add(add.request_id)
 
-        def build() -> None:
-            started = time.monotonic()
-            try:
-                add.grammar_template = grammars.build(spec)
-                if time.monotonic() - started > grammars.compile_timeout_s:
-                    raise RequestRejectedError(f"building the {spec.kind} grammar took longer "
-                                               f"than {grammars.compile_timeout_s:g} s")
-            except EngineError as exc:
-                self.send(GrammarBuilt(add, exc))
-            except Exception as exc:  # noqa: BLE001 - a broken grammar ends its request only
-                self.send(GrammarBuilt(add, RequestRejectedError(f"the grammar failed to build: {exc}")))
-            else:
-                self.send(GrammarBuilt(add))
+        def done(template: Any, error: EngineError | None) -> None:
+            add.grammar_template = template
+            self.send(GrammarBuilt(add, error))
 
-        grammars._pool.submit(build)
+        grammars.build_in_background(spec, done)
 
     def _grammar_built(self, built: GrammarBuilt) -> None:
         add = built.add

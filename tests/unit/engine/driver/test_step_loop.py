@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from stages.engine.core.errors import EngineDeadError, RequestRejectedError
+from stages.engine.core.structured import GrammarBackend
 from stages.engine.driver.faults import StepFaults
 from stages.engine.driver.messages import Abort, AddRequest, ArmFault, Dead, Fail, Kind, LoopEvent, Outputs
 from stages.engine.driver.step_loop import StepLoop
@@ -17,7 +18,10 @@ from tests.fakes import make_engine, params, reference
 
 
 class SlowGrammars:
-    """A grammar backend whose build waits for ``release`` (or raises ``error``)."""
+    """A grammar backend whose build waits for ``release`` (or raises ``error``); the real
+    backend's ``build_in_background`` runs around it."""
+
+    build_in_background = GrammarBackend.build_in_background
 
     compile_timeout_s = 10.0
     templates_built = 0
@@ -117,6 +121,22 @@ def test_a_grammar_that_fails_to_build_is_a_rejection_and_the_loop_goes_on() -> 
     assert fail.request_id == "g" and isinstance(fail.error, RequestRejectedError)
     assert "bad pattern" in str(fail.error)
     assert h.loop.dead is None and not engine.requests and not h.loop._building
+
+
+def test_a_grammar_slower_than_the_compile_timeout_is_rejected() -> None:
+    engine = make_engine()
+    engine.grammars = SlowGrammars()
+    engine.grammars.compile_timeout_s = 0.05
+    h = Harness(engine)
+    h.loop.send(_add("g", [1, 2, 3], 5, grammar=SimpleNamespace(kind="regex")))
+    h.wait_for(lambda: "g" in h.loop._building)
+    time.sleep(0.1)
+    engine.grammars.release.set()
+    h.wait_for(lambda: any(isinstance(e, Fail) for e in h.events))
+    h.stop()
+    (fail,) = [e for e in h.events if isinstance(e, Fail)]
+    assert isinstance(fail.error, RequestRejectedError) and "longer than 0.05 s" in str(fail.error)
+    assert not engine.requests and not h.loop._building
 
 
 def test_a_crash_is_one_dead_event_with_the_text_of_what_crashed() -> None:
