@@ -17,7 +17,7 @@ export TOKENIZERS_PARALLELISM := false
 export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 0.2
 # The HTTP edge is Serve's HAProxy ingress: HAProxy (C, shipped with ray[serve]) on port 8000 in
 # front of each Ingress replica's own HTTP server, instead of Serve's proxy actor, which costs three
-# Serve messages per request before our code runs and one per SSE chunk (README "The HTTP edge").
+# Serve messages per request before our code runs and one per SSE chunk (docs/operations.md, "The HTTP edge").
 # One HAProxy thread is plenty for this machine's two cores.
 export RAY_SERVE_ENABLE_HA_PROXY := 1
 export RAY_SERVE_HAPROXY_NBTHREAD := 1

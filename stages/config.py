@@ -116,7 +116,7 @@ class HttpSettings(_Section):
     #: Abort a request that runs longer than this (0: no limit).
     request_timeout_s: float = Field(0.0, ge=0)
     #: Per stream: bytes produced but not yet taken by the client's connection. Past it the request
-    #: is aborted with a ``slow_reader`` error event (see README "Slow readers").
+    #: is aborted with a ``slow_reader`` error event (see docs/operations.md, "Slow readers").
     max_stream_buffer_bytes: int = Field(1024 * 1024, ge=1024)
     #: After that abort, seconds the error event may wait for the client before the connection closes.
     slow_reader_grace_s: float = Field(10.0, gt=0)

@@ -40,7 +40,7 @@ def real_haproxy() -> str:
 
 def haproxy_env() -> dict[str, str]:
     """Serve's HAProxy ingress, as ``make serve`` runs it: HAProxy on the HTTP port, in front of
-    each Ingress replica's own HTTP server (README, "The HTTP edge"). Every listener on loopback
+    each Ingress replica's own HTTP server (docs/operations.md, "The HTTP edge"). Every listener on loopback
     (``bin/haproxy-edge``), one HAProxy thread, and free ports for HAProxy's stats page and
     exporter and Serve's fallback proxy, so this Ray can run beside ``make serve``."""
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_HAPROXY_NBTHREAD": "1",

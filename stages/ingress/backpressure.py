@@ -12,7 +12,7 @@ buffered events are dropped in favour of the error event and ``[DONE]``.
 Behind Serve's own HTTP proxy, the Ingress replica's ``send`` never waits: Serve streams each ASGI
 message to the proxy as a Ray streaming-generator item without backpressure, so the backlog of a
 slow reader sits in the proxy process, bounded only by the response's length (``max_tokens``), and
-the Ingress cannot see that client's socket. See README "Slow readers".
+the Ingress cannot see that client's socket. See docs/operations.md, "Slow readers".
 
 Pure asyncio; unit-tested without Ray.
 """

@@ -274,7 +274,7 @@ def _metric(app: ServeApp, name: str) -> float:
 def test_slow_reader_is_aborted_and_memory_stays_bounded(fault_app: ServeApp) -> None:
     """One client that stops reading beside 8 normal streams. It talks to the Ingress replica's
     own HTTP server (direct ingress), where a full socket makes the ASGI send wait; behind Serve's
-    proxy the backlog sits in the proxy instead (README "Slow readers")."""
+    proxy the backlog sits in the proxy instead (docs/operations.md, "Slow readers")."""
     _ready(fault_app)
     before = _metric(fault_app, "lifecycle:slow_reader_aborts_total")
     ingress_pid = replica_actors(APP)["Ingress"][0]["pid"]

@@ -152,7 +152,7 @@ def test_no_key_appears_in_any_log_line(serve_app_guarded: ServeApp) -> None:
     httpx.post(serve_app_guarded.url + "/tokenize", json={"prompt": "x"}, headers=_auth("main"), timeout=30)
     time.sleep(1.0)  # let log buffers flush
     # Not the "env" key: the test hands it to the Ingress through a Ray runtime_env, and Ray's
-    # runtime_env agent logs every runtime_env it sets up, env_vars included (the README says to set
+    # runtime_env agent logs every runtime_env it sets up, env_vars included (docs/operations.md says to set
     # LIFECYCLE_API_KEYS in the Ray processes' own environment for that reason).
     secrets = [*(v for k, v in GUARDED_KEYS.items() if k != "env"), WRONG_KEY]
     with open(serve_app_guarded.request_log) as f:

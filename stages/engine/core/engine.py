@@ -1,8 +1,8 @@
 """The synchronous engine core: add requests, run one step at a time, abort, report stats.
 
 ``step()`` is schedule → run model → update requests. It has no Ray imports and no threads; the
-caller decides who drives it (:mod:`stages.engine.driver.async_engine` runs it on a background thread for
-the Ray deployment and the in-process benchmark; tests drive it directly).
+caller decides who drives it (a driver in :mod:`stages.engine.driver` runs its step loop on a thread
+of this process or in a child process; tests drive it directly).
 """
 
 from __future__ import annotations
