@@ -2,7 +2,7 @@
 
 Preprocess and Egress need a tokenizer and a chat template, nothing else from transformers; importing
 transformers for them pulls in torch and costs a CPU-stage replica about 340 MB and ten seconds of
-start-up (``bench/bench_cpu_replica.py``). :class:`Tokenizer` reads the same files transformers
+start-up (``bench/experiments/bench_cpu_replica.py``). :class:`Tokenizer` reads the same files transformers
 reads from a Hugging Face model directory and reproduces what the CPU stages use of transformers'
 ``TokenizersBackend`` (transformers 5):
 

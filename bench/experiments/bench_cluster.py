@@ -1,6 +1,6 @@
 """Replica counts against offered load over time, on the multi-node test cluster.
 
-    .venv/bin/python bench/bench_cluster.py        # ~3 min: runs tests/cluster/test_cluster.py's scaling test
+    .venv/bin/python bench/experiments/bench_cluster.py        # ~3 min: runs tests/cluster/test_cluster.py's scaling test
 
 Runs the cluster test's scale-up/scale-down scenario (tests/configs/cluster.yaml: CPU stages
 autoscaling with small targets) with the timeline recorded, then plots Preprocess and Egress

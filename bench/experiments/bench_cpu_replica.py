@@ -1,6 +1,6 @@
 """What one CPU-stage replica costs: resident memory (RSS, USS) and time from deploy to first served request.
 
-    .venv/bin/python bench/bench_cpu_replica.py [--rounds 3] [--tokenizer] [--stages floor,preprocess,egress,...]
+    .venv/bin/python bench/experiments/bench_cpu_replica.py [--rounds 3] [--tokenizer] [--stages floor,preprocess,egress,...]
 
 Starts its own Ray session (never touches another one), then per round and per stage deploys a
 one-deployment Serve app holding only that stage (``num_replicas: 1``), times ``serve.run`` → the

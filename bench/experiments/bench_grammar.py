@@ -10,7 +10,7 @@
    sampler unpacking and applying it), with matchers advanced into realistic mid-document states.
 4. ``throughput``: 32 streams in the in-process engine, all constrained vs none, alternating rounds.
 
-    .venv/bin/python bench/bench_grammar.py [libs compile mask throughput] [--json out.json]
+    .venv/bin/python bench/experiments/bench_grammar.py [libs compile mask throughput] [--json out.json]
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ request (prep, queue, prefill, from the final chunk's ``server_timing``). The en
 ``tracing``: output tokens/s at 32 streams with tracing on (sampling 1.0, exported over OTLP to a
 receiver in this process) versus off, alternating app starts (off, on, off, on) in one run.
 
-    .venv/bin/python bench/bench_observability.py ttft
-    .venv/bin/python bench/bench_observability.py tracing
+    .venv/bin/python bench/experiments/bench_observability.py ttft
+    .venv/bin/python bench/experiments/bench_observability.py tracing
 """
 
 from __future__ import annotations

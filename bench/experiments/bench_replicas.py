@@ -1,6 +1,6 @@
 """32 streams against one engine replica vs two, side by side in one Ray session, alternating rounds.
 
-    .venv/bin/python bench/bench_replicas.py [--rounds 3] [--concurrency 32] [--max-tokens 128]
+    .venv/bin/python bench/experiments/bench_replicas.py [--rounds 3] [--concurrency 32] [--max-tokens 128]
 
 Both apps run the shipped ``serve_config.yaml`` args (one torch thread per engine); "two" differs
 only in ``Engine.num_replicas: 2``. Requests go through Serve's proxy, so the project's

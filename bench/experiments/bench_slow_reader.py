@@ -10,7 +10,7 @@ the Ingress replica's RSS.
 ``--via-proxy`` also runs the slow reader through Serve's HTTP proxy instead (C), where the Ingress
 never sees backpressure: it reports whether it was aborted and how the proxy's RSS moved.
 
-    python bench/bench_slow_reader.py --rounds 3
+    python bench/experiments/bench_slow_reader.py --rounds 3
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 ``server_timing``), for one app or two side by side (bursts alternate between them, and so does
 which goes first).
 
-    .venv/bin/python bench/serve_local.py --variant preprocess.inline_max_chars=0 --url-file /tmp/url &
-    .venv/bin/python bench/burst_parts.py --url "$(cat /tmp/url)" --variant-url "$(cat /tmp/url)/variant"
+    .venv/bin/python bench/experiments/serve_local.py --variant preprocess.inline_max_chars=0 --url-file /tmp/url &
+    .venv/bin/python bench/experiments/burst_parts.py --url "$(cat /tmp/url)" --variant-url "$(cat /tmp/url)/variant"
 
 Each part's p50 and p95 is taken within a burst; the table gives the median of those over the
 bursts (machines here are noisy: one burst's prefill step can be 40% off the next), and

@@ -7,7 +7,7 @@ replica's own event loop and gRPC threads, Ray's daemons, and the client) shares
 This names each share, per generated token, so a change to the hops can be judged by the CPU it
 saves and not only by a noisy throughput ratio.
 
-    .venv/bin/python bench/cpu_split.py --url http://127.0.0.1:8000 --streams 32 --tokens 128
+    .venv/bin/python bench/experiments/cpu_split.py --url http://127.0.0.1:8000 --streams 32 --tokens 128
 
 Linux only (it reads ``/proc``); the client runs in this process and is reported as ``client``.
 """

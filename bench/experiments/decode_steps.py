@@ -6,8 +6,8 @@ all streams at once, so the context grows from prompt to prompt + tokens as in `
 compare`; the figure is the mean step over the decode-only steps. Configurations alternate within
 each round (the order flips between rounds), medians over rounds are printed.
 
-    .venv/bin/python bench/decode_steps.py                       # the default and torch's kernels
-    .venv/bin/python bench/decode_steps.py --configs "{}" "{'attention': 'sdpa', 'quant_kernel': 'torch'}"
+    .venv/bin/python bench/experiments/decode_steps.py                       # the default and torch's kernels
+    .venv/bin/python bench/experiments/decode_steps.py --configs "{}" "{'attention': 'sdpa', 'quant_kernel': 'torch'}"
 """
 
 from __future__ import annotations

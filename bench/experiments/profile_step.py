@@ -7,9 +7,9 @@ counting the ops a composite op calls internally) and all aten ops; the step's w
 without the profiler, median over ``--timed`` steps); and the time inside the heavy kernels (GEMMs,
 int4/int8 matmuls, attention). Wall minus kernels is the per-step Python and small-op overhead.
 
-    .venv/bin/python bench/profile_step.py --weights float32,int4 --threads 1
+    .venv/bin/python bench/experiments/profile_step.py --weights float32,int4 --threads 1
     # the code before a change, from an export of that commit:
-    git archive <rev> | tar -x -C /tmp/rev && cd /tmp/rev && /work/main/.venv/bin/python bench/profile_step.py
+    git archive <rev> | tar -x -C /tmp/rev && cd /tmp/rev && /work/main/.venv/bin/python bench/experiments/profile_step.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ The float32 engine is token-exact with transformers on the GGUF's exact dequanti
 moves greedy decoding from it: per prompt, the number of leading tokens equal to float32's, out of
 ``--tokens``. All prompts run at once (chunked prefill, 64-token chunks), as in the parity test.
 
-    .venv/bin/python bench/quant_agreement.py    # block kernel (int4/int8, Q8_0 head) and torch's kernels
+    .venv/bin/python bench/experiments/quant_agreement.py    # block kernel (int4/int8, Q8_0 head) and torch's kernels
 """
 
 from __future__ import annotations

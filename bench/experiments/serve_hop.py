@@ -9,8 +9,8 @@ cost of waking them is part of each message then. The app's idle TTFT crosses ei
 (proxy → Ingress; Ingress's body pull from the proxy and its reply; Preprocess there and back;
 Ingress → Egress → Engine; the first token back through Egress; Ingress → proxy).
 
-    .venv/bin/python bench/serve_hop.py                       # the transport `make serve` uses
-    RAY_SERVE_THROUGHPUT_OPTIMIZED=0 .venv/bin/python bench/serve_hop.py   # Ray's actor transport
+    .venv/bin/python bench/experiments/serve_hop.py                       # the transport `make serve` uses
+    RAY_SERVE_THROUGHPUT_OPTIMIZED=0 .venv/bin/python bench/experiments/serve_hop.py   # Ray's actor transport
 """
 
 from __future__ import annotations

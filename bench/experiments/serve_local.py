@@ -2,12 +2,12 @@
 autoscaling, CPU shares) on a free loopback port (not 8000) until interrupted, for running
 ``python -m bench`` against it. Prints the URL (and writes it to ``--url-file``).
 
-    .venv/bin/python bench/serve_local.py --url-file /tmp/bench_url &
+    .venv/bin/python bench/experiments/serve_local.py --url-file /tmp/bench_url &
     .venv/bin/python -m bench client --url "$(cat /tmp/bench_url)"
     kill %1   # SIGTERM/SIGINT: shuts Serve and Ray down
 
 To serve the last commit while the working tree is being edited, run it from an export:
-``git archive HEAD | tar -x -C /tmp/head && cd /tmp/head && /work/main/.venv/bin/python bench/serve_local.py``.
+``git archive HEAD | tar -x -C /tmp/head && cd /tmp/head && /work/main/.venv/bin/python bench/experiments/serve_local.py``.
 """
 
 from __future__ import annotations

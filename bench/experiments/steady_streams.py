@@ -3,7 +3,7 @@
 request as soon as its last one ends, so the server always holds N streams (for watching how the
 stages autoscale at a given concurrency).
 
-    .venv/bin/python bench/steady_streams.py --url "$(cat /tmp/bench_url)" --streams 32 --seconds 50
+    .venv/bin/python bench/experiments/steady_streams.py --url "$(cat /tmp/bench_url)" --streams 32 --seconds 50
 """
 
 from __future__ import annotations
