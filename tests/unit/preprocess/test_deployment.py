@@ -49,7 +49,7 @@ def test_input_size() -> None:
 
 
 def test_small_requests_are_served_while_a_huge_one_is_prepared(pre: Any) -> None:
-    huge = "".join(random.Random(1).choice("0123456789 ,.") for _ in range(1_200_000))
+    huge = "".join(random.Random(1).choice("0123456789 ,.") for _ in range(300_000))
     assert len(huge) > INLINE_MAX_INPUT
 
     async def go() -> tuple[float, list[float]]:
@@ -69,7 +69,7 @@ def test_small_requests_are_served_while_a_huge_one_is_prepared(pre: Any) -> Non
         return time.perf_counter() - t0, small
 
     big_s, small = asyncio.run(go())
-    # The huge one takes about a second here; inline, the first small request would have waited for it.
+    # The huge one takes over a second here; inline, the first small request would have waited for it.
     assert len(small) >= 5, (big_s, len(small))
     assert max(small) < 0.1, small
 
