@@ -40,7 +40,7 @@ logger = logging.getLogger("lifecycle.egress")
 
 
 @serve.deployment(name="Egress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25},
-                  request_router_config=RequestRouterConfig(request_router_class="stages.routing.EgressRouter",
+                  request_router_config=RequestRouterConfig(request_router_class="stages.routing.router.EgressRouter",
                                                             request_routing_stats_period_s=1.0,
                                                             request_routing_stats_timeout_s=5.0))
 class EgressDeployment:
@@ -126,7 +126,7 @@ class EgressDeployment:
         return True
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What :class:`stages.routing.EgressRouter` places batches of jobs by (Serve calls this)."""
+        """What :class:`stages.routing.router.EgressRouter` places batches of jobs by (Serve calls this)."""
         self._routing_seq += 1
         return {"admitted_jobs": len(self.transport), "seq": self._routing_seq}
 

@@ -53,7 +53,7 @@ logger = logging.getLogger("lifecycle.engine")
 
 @serve.deployment(name="Engine", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1},
                   health_check_period_s=5, health_check_timeout_s=30,
-                  request_router_config=RequestRouterConfig(request_router_class="stages.routing.EngineRouter",
+                  request_router_config=RequestRouterConfig(request_router_class="stages.routing.router.EngineRouter",
                                                             request_routing_stats_period_s=1.0,
                                                             request_routing_stats_timeout_s=5.0))
 class EngineDeployment:
@@ -147,7 +147,7 @@ class EngineDeployment:
                 "replica": self.replica}
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What :class:`stages.routing.EngineRouter` ranks replicas by (Serve calls this)."""
+        """What :class:`stages.routing.router.EngineRouter` ranks replicas by (Serve calls this)."""
         return {**self.async_engine.snapshot(), "seq": next(self._seq)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from stages.directory.directory import LiveDirectory
-from stages.routing import FULL, EgressRouter, ReplicaLoad, SentSinceReport, prefix_key, rank, start_cost
+from stages.routing.router import FULL, EgressRouter, ReplicaLoad, SentSinceReport, prefix_key, rank, start_cost
 from stages.transport.messages import AbortRequest, AdmissionBatch, EngineReport, LiveEntry
 
 

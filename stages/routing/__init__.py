@@ -1,0 +1,1 @@
+"""Which replica gets a request: the Serve request routers for the Engine and Egress hops."""
