@@ -5,7 +5,8 @@ decides which block ids a request's tokens live in.
 
 Prefix caching: a *full* block is identified by a hash chained through its parent block's hash,
 ``hash((parent_hash, tuple(token_ids)))``, so equal hashes imply equal prefixes up to collisions,
-and every hit is confirmed by its token ids and its parent block. A freed block keeps its hash and
+and every hit is confirmed by its token ids and its parent block (the block registered for the
+previous hash, whichever request computed it). A freed block keeps its hash and
 contents and stays findable until it is reused; the free list is ordered so that the least recently
 freed block is reused first (LRU reclaim), and a request frees its blocks tail first, so a prompt's
 head, the part most likely to be shared, survives longest.
@@ -67,6 +68,9 @@ class BlockManager:
         # Blocks with ref_count 0, least recently freed first. Cached ones stay findable here.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(self.num_blocks))
         self._hash_to_block: dict[int, int] = {}
+        #: Bumped whenever a hash enters or leaves the prefix cache (what a published summary of
+        #: the cache is compared against).
+        self.cache_version = 0
 
     # -- queries --------------------------------------------------------------------------------
     @property
@@ -83,6 +87,10 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks referenced by live requests (0.0 to 1.0)."""
         return 1.0 - len(self._free) / self.num_blocks
+
+    def cached_hashes(self) -> list[int]:
+        """The chained hash of every block in the prefix cache (what the engine tells routers)."""
+        return list(self._hash_to_block)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks required to hold ``num_tokens`` tokens."""
@@ -139,15 +147,31 @@ class BlockManager:
         hashes = self._update_hashes(request)
         bs = self.block_size
         num_full = min(request.num_computed_tokens // bs, len(request.block_table))
-        for i in range(request.num_cached_blocks_registered, num_full):
+        chain = request.chain_blocks
+        for i in range(len(chain), num_full):
             block = self.blocks[request.block_table[i]]
             h = hashes[i]
+            tokens = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
+            parent = chain[i - 1] if i else NO_PARENT
             if block.block_hash is None and h not in self._hash_to_block:
                 block.block_hash = h
-                block.token_ids = tuple(request.all_token_ids[i * bs:(i + 1) * bs])
-                block.parent_block_id = request.block_table[i - 1] if i else NO_PARENT
+                block.token_ids = tokens
+                block.parent_block_id = parent
                 self._hash_to_block[h] = block.block_id
-        request.num_cached_blocks_registered = max(request.num_cached_blocks_registered, num_full)
+                self.cache_version += 1
+            chain.append(self._found_at(h, tokens, parent, block.block_id))
+
+    def _found_at(self, block_hash: int, tokens: tuple[int, ...], parent: int, own: int) -> int:
+        """The block a lookup of this prefix finds at this level: the registered one when it holds
+        these tokens after the same parent, else the request's own. Another request may have
+        computed a shared block first (two prompts with one system prompt, both scheduled before
+        either cached it); the blocks registered after it must name the copy a lookup finds as
+        their parent, or everything after the shared prefix could never be found."""
+        registered = self._hash_to_block.get(block_hash)
+        if (registered is not None and self.blocks[registered].token_ids == tokens
+                and self.blocks[registered].parent_block_id == parent):
+            return registered
+        return own
 
     # -- allocation -----------------------------------------------------------------------------
     def _take_free(self) -> Block:
@@ -155,6 +179,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.block_hash is not None:  # reclaiming a cached block: it leaves the cache
             del self._hash_to_block[block.block_hash]
+            self.cache_version += 1
             block.block_hash = None
             block.token_ids = ()
             block.parent_block_id = None
@@ -198,7 +223,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         request.block_table = []
-        request.num_cached_blocks_registered = 0
+        request.chain_blocks = []
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (blocks in use keep their contents)."""
@@ -207,6 +232,7 @@ class BlockManager:
             block.token_ids = ()
             block.parent_block_id = None
         self._hash_to_block.clear()
+        self.cache_version += 1
 
     def check_invariants(self, live: list[Request]) -> None:
         """Assert the bookkeeping is consistent with the given live requests (used by tests)."""

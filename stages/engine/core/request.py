@@ -80,8 +80,9 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     #: Chained hashes of the full blocks of ``all_token_ids`` (filled by the block manager).
     block_hashes: list[int] = field(default_factory=list)
-    #: How many leading blocks of ``block_table`` were already offered to the prefix cache.
-    num_cached_blocks_registered: int = 0
+    #: Per leading full block already offered to the prefix cache: the block a lookup of this
+    #: prefix finds there (the request's own, or the copy another request registered first).
+    chain_blocks: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     #: Prompt tokens found in the prefix cache at first admission.
     num_cached_tokens: int = -1
@@ -92,6 +93,8 @@ class Request:
     events: list[RequestEvent] = field(default_factory=list)
     #: Opaque per-request span handle owned by the engine's tracing hook.
     trace: Any = None
+    #: Why the router sent the request here (a ``RouteNote``; opaque here, put on the span).
+    route: Any = None
     #: Structured output: the request's :class:`~stages.engine.core.structured.GrammarState` (opaque here).
     grammar: Any = None
 

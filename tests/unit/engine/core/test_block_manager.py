@@ -50,7 +50,7 @@ def test_allocate_and_free_ref_counts():
     assert len(r.block_table) == 4 and bm.num_free_blocks == 4
     table = list(r.block_table)
     bm.free(r)
-    assert r.block_table == [] and r.num_cached_blocks_registered == 0
+    assert r.block_table == [] and r.chain_blocks == []
     assert all(bm.blocks[b].ref_count == 0 for b in table)
     assert bm.num_free_blocks == 8 and bm.usage == 0.0
     check_block_manager(bm, [])
@@ -263,6 +263,35 @@ def test_registered_hash_is_not_duplicated():
     bm.free(a)
     bm.free(b)
     check_block_manager(bm, [])
+
+
+def test_a_prefix_computed_twice_keeps_what_follows_findable():
+    """Two prompts sharing a first block, both scheduled before either cached it: the second's
+    copy of that block is not registered, and its later blocks must still be found after the
+    registered copy (a conversation's history after a shared system prompt)."""
+    bm = BlockManager(16, BS)
+    a = req([1, 2, 3, 4, 5, 6, 7, 8, 9], "a")
+    b = req([1, 2, 3, 4, 20, 21, 22, 23, 24, 25, 26, 27, 28], "b")
+    for r in (a, b):
+        assert bm.allocate_slots(r, r.num_tokens)
+    for r in (a, b):
+        r.num_computed_tokens = r.num_tokens
+        bm.cache_full_blocks(r)
+    assert bm.blocks[b.block_table[0]].block_hash is None  # a's copy is the registered one
+    probe = req([1, 2, 3, 4, 20, 21, 22, 23, 24, 25, 26, 27, 0], "probe")
+    assert bm.find_cached_prefix(probe) == [a.block_table[0], *b.block_table[1:3]]
+    check_block_manager(bm, [a, b])
+
+
+def test_a_shared_block_at_another_position_is_never_a_parent(monkeypatch):
+    """With hashes that ignore the prefix, a block registered after a same-tokens block at another
+    position must not be served after the real one."""
+    monkeypatch.setattr(block_manager_module, "chain_hash", lambda parent, tokens: hash(tokens))
+    bm = BlockManager(32, BS)
+    computed(bm, req([1, 2, 3, 4, 5, 6, 7, 8, 0], "a"))  # (5, 6, 7, 8) registered at position 1
+    computed(bm, req([5, 6, 7, 8, 5, 6, 7, 8, 9, 9, 9, 9, 0], "w"))  # (9, 9, 9, 9) after it, at 2
+    hit = bm.find_cached_prefix(req([1, 2, 3, 4, 5, 6, 7, 8, 9, 9, 9, 9, 0], "q"))
+    assert len(hit) == 2, "w's third block was computed after another prefix"
 
 
 def test_reset_prefix_cache():
