@@ -181,6 +181,16 @@ class PreprocessSettings(_Section):
     inline_max_chars: int = Field(2048, ge=0)
 
 
+class RoutingSettings(_Section):
+    """How the Engine's router orders replicas (:mod:`stages.routing.policy`)."""
+
+    #: ``cache_aware``: by expected cached prompt tokens against queueing; ``least_loaded``: by
+    #: queueing only; ``power_of_two``: Serve's default rule; ``round_robin``.
+    policy: Literal["cache_aware", "least_loaded", "power_of_two", "round_robin"] = "cache_aware"
+    #: Cache-aware only: prompt tokens saved that are worth one request waiting ahead.
+    prefill_tokens_per_request: int = Field(256, ge=1)
+
+
 class AppConfig(_Section):
     """Everything ``build_app`` needs."""
 
@@ -196,6 +206,7 @@ class AppConfig(_Section):
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     structured_outputs: StructuredOutputSettings = Field(default_factory=StructuredOutputSettings)
     preprocess: PreprocessSettings = Field(default_factory=PreprocessSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:

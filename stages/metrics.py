@@ -47,8 +47,15 @@ class RequestRecord:
     ttft_s: float | None
     itls_s: list[float] = field(default_factory=list)
     stream: bool = False
+    #: Prompt tokens the engine found cached, and how many the router expected there (``None``:
+    #: the request was not routed to an engine, or carried no note).
+    cached_tokens: int = 0
+    expected_cached_tokens: int | None = None
 
 
+#: Router's error on cached prompt tokens (actual - expected): 0 is exact; negative, the router
+#: expected blocks that were gone (evicted since its last summary); positive, it missed some.
+_ROUTE_ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096)
 #: Grammar compile times: ~10 us for a cache hit, ~1-10 ms for typical schemas, up to the timeout.
 _GRAMMAR_BUCKETS = (1e-5, 1e-4, 1e-3, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -93,6 +100,15 @@ class IngressMetrics:
         self.grammar_compile = hist("grammar_compile_seconds",
                                     "Structured-output grammar compilation in Preprocess, by cache hit or miss.",
                                     _GRAMMAR_BUCKETS, ["cache"])
+        self.route_error = hist("route_cached_tokens_error",
+                                "Engine router's prediction of cached prompt tokens: actual minus expected.",
+                                _ROUTE_ERROR_BUCKETS)
+        self.route_expected = Counter(PREFIX + "route_expected_cached_tokens_total",
+                                      "Prompt tokens the engine router expected cached where it sent requests.",
+                                      labels, registry=reg)
+        self.route_actual = Counter(PREFIX + "route_actual_cached_tokens_total",
+                                    "Prompt tokens the engines found cached, for the requests the router placed.",
+                                    labels, registry=reg)
 
     def observe_prep(self, where: str) -> None:
         """Count a prepared request by where it was templated and tokenised (``ingress``/``stage``)."""
@@ -130,6 +146,10 @@ class IngressMetrics:
         self.gen_len.labels(m).observe(rec.completion_tokens)
         for reason in rec.finish_reasons:
             self.success.labels(m, reason).inc()
+        if rec.expected_cached_tokens is not None:
+            self.route_error.labels(m).observe(rec.cached_tokens - rec.expected_cached_tokens)
+            self.route_expected.labels(m).inc(rec.expected_cached_tokens)
+            self.route_actual.labels(m).inc(rec.cached_tokens)
 
     def observe_error(self, status: int) -> None:
         self.errors.labels(self.model_name, str(status)).inc()

@@ -10,7 +10,7 @@ closes its engine call, which aborts the request in the engine.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from typing import Any
 
 from ray import serve
@@ -19,8 +19,9 @@ from ray.serve.config import RequestRouterConfig
 from stages.config import TracingSettings
 from stages.egress.egress import Egress, EngineStream
 from stages.errors import EngineUnavailableError
+from stages.routing.router import placement_key
 from stages.telemetry import get_tracer, span_from_context
-from stages.transport.consumer import Consumer
+from stages.transport.consumer import Consumer, admission_key
 from stages.transport.liveness import own_actor_name, own_replica_id
 from stages.transport.messages import (
     AbortRequest,
@@ -56,7 +57,7 @@ class EgressDeployment:
         self.egress = Egress(load_cpu_tokenizer(model), self._open, self._abort)
         self.replica = own_replica_id()
         #: Towards the engine: this replica's actor name keys its mailbox on every engine replica.
-        self.to_engine = Consumer(engine, own_actor_name(), _channel_lost)
+        self.to_engine = Consumer(engine, own_actor_name(), _channel_lost, key=_engine_admission_key)
         #: Towards Ingress: the jobs it sends, and each Ingress replica's mailbox of frames.
         self.transport = Producer(self.replica, directory=directory)
         self.transport.poll_forwarded()
@@ -68,7 +69,7 @@ class EgressDeployment:
         async def close() -> None:
             call.cancel()
 
-        return EngineStream(call.outputs(), close)
+        return EngineStream(call.outputs(), close, call.item)
 
     async def _abort(self, req: AbortRequest) -> None:
         await self.engine.abort.remote(req)
@@ -150,3 +151,9 @@ def _annotate(span: Any, summary: StreamSummary) -> None:
     span.set_attribute("gen_ai.usage.output_tokens", summary.completion_tokens)
     if summary.aborted_by_stop_string:
         span.add_event("abort", {"reason": "stop_string"})
+
+
+def _engine_admission_key(request: EngineRequest) -> Hashable:
+    """Requests share a submit call only when they may go to the same engine replica: the
+    transport's rule, plus the router's (:func:`stages.routing.router.placement_key`)."""
+    return (admission_key(request), placement_key(request))

@@ -40,6 +40,7 @@ from stages.errors import EngineUnavailableError, unwrap_error
 from stages.transport.messages import (
     AbortRequest,
     EngineOutput,
+    EngineRequest,
     GenerationJob,
     StreamFrame,
     StreamStart,
@@ -50,9 +51,12 @@ from stages.transport.messages import (
 class EngineStream:
     """One open engine stream: its items, and how to close it early (which aborts in the engine)."""
 
-    def __init__(self, items: AsyncIterator[list[EngineOutput]], close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, items: AsyncIterator[list[EngineOutput]], close: Callable[[], Awaitable[None]],
+                 request: EngineRequest | None = None) -> None:
         self.items = items
         self.close = close
+        #: The request as sent, with the router's note on where it went (once accepted).
+        self.request = request
 
 
 #: Opens the engine stream of one request.
@@ -240,6 +244,7 @@ class Egress:
         finally:
             await stream.close()  # aborts in the engine whatever is still running there
         summary = self._summary(choices, busy)
+        summary.route = stream.request.route if stream.request is not None else None
         if not job.stream:
             t0 = time.perf_counter()
             summary.body = self._body(job, choices, summary)

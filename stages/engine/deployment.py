@@ -27,13 +27,13 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 from stages.config import EngineSettings, TracingSettings
 from stages.engine.core.errors import EngineDeadError
 from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.driver.interface import build_driver
 from stages.engine.driver.messages import LoopSpec
+from stages.routing.router import engine_router_config
 from stages.transport.channel import merge_channel_items
 from stages.transport.liveness import own_replica_id
 from stages.transport.messages import (
@@ -53,9 +53,7 @@ logger = logging.getLogger("lifecycle.engine")
 
 @serve.deployment(name="Engine", max_ongoing_requests=1024, ray_actor_options={"num_cpus": 1},
                   health_check_period_s=5, health_check_timeout_s=30,
-                  request_router_config=RequestRouterConfig(request_router_class="stages.routing.router.EngineRouter",
-                                                            request_routing_stats_period_s=1.0,
-                                                            request_routing_stats_timeout_s=5.0))
+                  request_router_config=engine_router_config())
 class EngineDeployment:
     """Owns the model; everything else reaches it through its handle."""
 
@@ -147,8 +145,10 @@ class EngineDeployment:
                 "replica": self.replica}
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What :class:`stages.routing.router.EngineRouter` ranks replicas by (Serve calls this)."""
-        return {**self.async_engine.snapshot(), "seq": next(self._seq)}
+        """What :class:`stages.routing.router.EngineRouter` ranks replicas by (Serve calls this):
+        the scheduler's state and a summary of the prefix cache."""
+        return {**self.async_engine.snapshot(), "seq": next(self._seq),
+                "prefix": self.async_engine.prefix_summary()}
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The engine's saturation signals for :func:`stages.autoscaling.engine_policy`: waiting

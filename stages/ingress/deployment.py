@@ -321,11 +321,15 @@ class Ingress:
                 span.set_attributes({"gen_ai.usage.input_tokens": summary.prompt_tokens,
                                      "gen_ai.usage.output_tokens": summary.completion_tokens,
                                      "gen_ai.response.finish_reasons": summary.finish_reasons,
+                                     "lifecycle.cached_tokens": summary.cached_tokens,
                                      "http.response.status_code": 200})
+                if summary.route is not None:
+                    span.set_attributes({f"lifecycle.route.{k}": v for k, v in summary.route.attributes().items()})
             self.metrics.observe_request(RequestRecord(
                 kind=live.kind, prompt_tokens=summary.prompt_tokens, completion_tokens=summary.completion_tokens,
                 finish_reasons=summary.finish_reasons, timings_ms=timings or {}, ttft_s=live.ttft,
-                itls_s=live.itls, stream=bool(summary.body is None)))
+                itls_s=live.itls, stream=bool(summary.body is None), cached_tokens=summary.cached_tokens,
+                expected_cached_tokens=summary.route.expected_cached_tokens if summary.route else None))
         elif live.status != 200:
             self.metrics.observe_error(live.status)
             if span.is_recording():
@@ -351,6 +355,8 @@ class Ingress:
         if summary is not None:
             record.update(prompt_tokens=summary.prompt_tokens, completion_tokens=summary.completion_tokens,
                           cached_tokens=summary.cached_tokens, finish_reasons=summary.finish_reasons)
+            if summary.route is not None:
+                record["route"] = summary.route.attributes()
         if self.cfg.http.log_prompts and live.prompt_text is not None:
             record["prompt"] = live.prompt_text[: self.cfg.http.max_log_len]
         request_log.info(json.dumps(record, separators=(",", ":"), ensure_ascii=False))

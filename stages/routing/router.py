@@ -1,118 +1,90 @@
-"""Which engine replica gets a request: the one that can start it soonest.
+"""The Serve request routers of the Engine and Egress hops: thin adapters over the pure rules.
 
-Serve's default router (power of two choices) looks only at how many calls each replica has open.
-For an engine that number says little: a replica with 40 open streams and an empty waiting queue
-starts a new request at its next step, while one with 10 streams, a full batch and 6 waiting
-makes it wait for 6 others to finish. So each engine replica reports its scheduler state through
-Serve's ``record_routing_stats`` (every ``request_routing_stats_period_s``), and
-:func:`start_cost` turns that into an estimate of how many requests stand between a new request
-and its first step, with a penalty when its prompt would not fit in the free KV blocks.
+:class:`EngineRouter` runs inside every caller's handle to the Engine (an Egress replica's). For an
+:class:`~stages.transport.messages.AdmissionBatch` it reads each candidate's routing stats (its
+scheduler state, :mod:`stages.routing.load`, and its prefix-cache summary,
+:mod:`stages.routing.prefix`), orders the replicas by the configured policy
+(:mod:`stages.routing.policy`), and stamps each request with a
+:class:`~stages.transport.messages.RouteNote`: the replica chosen, the tokens it expects cached
+there, and the best alternative with its score. The engine puts the note on the request's span and
+Egress on its summary, beside the engine's actual hit. Routing costs O(prompt blocks) per request
+and calls no engine.
 
-Between two reports the router counts what it sent itself, so a burst does not all land on the
-replica that looked emptiest at the last report. Requests sharing a prompt prefix prefer the
-replica that saw it last (its blocks are likely still cached) unless that replica is busier by
-more than ``affinity_slack`` requests.
-
-Some messages are routed specially:
+Some messages are routed by name:
 - :class:`AbortRequest` goes to exactly the replica it names (abort by id must reach the owner),
   and so does :class:`ChannelAttach` (a consumer's channel to the replica running its requests).
 - :class:`EngineRequest.avoid_replicas` lists replicas that already refused the request with a
   full queue; they are tried last, so a 429 is retried elsewhere first.
-
-The pure parts (:class:`ReplicaLoad`, :func:`start_cost`, :func:`rank`) are unit-tested without
-Ray; :class:`EngineRouter` is the thin Serve adapter.
 """
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
-from dataclasses import dataclass
+import itertools
+import random
+from collections.abc import Hashable
 from typing import Any
 
+from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from stages.transport.messages import AbortRequest, AdmissionBatch, ChannelAttach, EngineRequest
+from stages.config import RoutingSettings
+from stages.routing.load import ReplicaLoad, SentSinceReport, start_cost
+from stages.routing.policy import Candidate, Policy, rank
+from stages.routing.prefix import PrefixViews
+from stages.transport.messages import AbortRequest, AdmissionBatch, ChannelAttach, EngineRequest, RouteNote
 
-#: Score of a replica whose waiting queue cannot take the request: it would answer 429.
-FULL = 1e9
-#: Prompt tokens hashed for prefix affinity (the chat template's system prompt and a bit more).
-AFFINITY_TOKENS = 64
+#: Seconds between two routing reports of a replica (Serve calls ``record_routing_stats``).
+ROUTING_STATS_PERIOD_S = 1.0
 
-
-@dataclass(frozen=True)
-class ReplicaLoad:
-    """An engine replica's scheduler state, as last reported."""
-
-    num_waiting: int
-    num_running: int
-    max_num_seqs: int
-    num_free_blocks: int
-    block_size: int
-    max_waiting: int
-    #: Reports are numbered so the router knows when its own count of sends is superseded.
-    seq: int = 0
-
-    @classmethod
-    def from_stats(cls, stats: dict[str, Any] | None) -> ReplicaLoad | None:
-        if not stats or "num_waiting" not in stats:
-            return None
-        return cls(num_waiting=int(stats["num_waiting"]), num_running=int(stats["num_running"]),
-                   max_num_seqs=int(stats["max_num_seqs"]), num_free_blocks=int(stats["num_free_blocks"]),
-                   block_size=int(stats["block_size"]), max_waiting=int(stats["max_waiting"]),
-                   seq=int(stats.get("seq", 0)))
+#: The routers' picture of the engines' caches, one per process: the Egress replica's admission
+#: queue reads it too, to batch together only requests whose cache is in the same place.
+VIEWS = PrefixViews()
 
 
-def start_cost(load: ReplicaLoad | None, *, prompt_tokens: int, n: int = 1, sent_since_report: int = 0,
-               ongoing: int | None = None) -> float:
-    """Roughly how many requests must finish before this one can start on the replica.
-
-    0 means it joins the batch at the next step. Without a report yet, fall back to the number of
-    calls open on the replica (Serve's own queue-length probe), which is what Serve would use.
-    """
-    if load is None:
-        return float(ongoing or 0) + sent_since_report
-    queued = load.num_waiting + sent_since_report
-    if queued + n > load.max_waiting:
-        return FULL
-    free_slots = max(0, load.max_num_seqs - load.num_running)
-    ahead = max(0, queued + n - free_slots)
-    # A prompt that does not fit in the free blocks waits for running requests to finish (or
-    # preempts one): count it as a whole batch ahead.
-    blocks_needed = math.ceil((prompt_tokens + 1) / max(load.block_size, 1))
-    kv_penalty = load.max_num_seqs if blocks_needed > load.num_free_blocks else 0
-    # Ties (e.g. two idle replicas) go to the one with more free blocks.
-    return ahead + kv_penalty - load.num_free_blocks * 1e-6
+def engine_router_config(settings: RoutingSettings | None = None) -> RequestRouterConfig:
+    """The Engine deployment's router, configured by the app's ``routing`` section."""
+    s = settings if settings is not None else RoutingSettings()
+    return RequestRouterConfig(
+        request_router_class="stages.routing.router.EngineRouter",
+        request_router_kwargs={"policy": s.policy, "prefill_tokens_per_request": s.prefill_tokens_per_request},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0)
 
 
-def rank(costs: dict[str, float], *, avoid: set[str] = frozenset(), preferred: str | None = None,  # type: ignore[assignment]
-         affinity_slack: float = 1.0) -> list[str]:
-    """Replica ids from best to worst. ``avoid`` go last; ``preferred`` (prefix affinity) goes
-    first when its cost is within ``affinity_slack`` of the best."""
-    order = sorted(costs, key=lambda r: (r in avoid, costs[r]))
-    if preferred in costs and preferred not in avoid and order:
-        best = costs[order[0]]
-        if costs[preferred] < FULL and costs[preferred] <= best + affinity_slack:
-            order.remove(preferred)
-            order.insert(0, preferred)
-    return order
-
-
-def prefix_key(token_ids: list[int]) -> int | None:
-    """Affinity key of a prompt: a hash of its first tokens (``None`` when too short to matter)."""
-    if len(token_ids) < 16:
+def cache_home(request: EngineRequest) -> str | None:
+    """The replica that holds the most of ``request``'s prompt, when one holds more than the others
+    (``None`` when all hold the same, e.g. only a shared system prompt)."""
+    hashes: dict[int, list[int]] = {}
+    hits = {r: VIEWS.cached_tokens(r, request.prompt_token_ids, hashes) for r in VIEWS.replicas()}
+    if len(hits) < 2:
         return None
-    return hash(tuple(token_ids[:AFFINITY_TOKENS]))
+    best = max(hits, key=hits.__getitem__)
+    return best if hits[best] > min(hits.values()) else None
+
+
+_spread = itertools.count()
+
+
+def placement_key(request: EngineRequest) -> Hashable:
+    """Which requests may share one submit call (one call goes to one replica): those with the same
+    cache home; the others are dealt round-robin into one group per engine replica, so a burst of
+    new conversations is spread by load instead of landing on one replica in one call."""
+    home = cache_home(request)
+    if home is not None:
+        return ("home", home)
+    # Before this process has routed anything it knows no replica count: assume more than one.
+    return ("spread", next(_spread) % (len(VIEWS.replicas()) or 2))
 
 
 class EngineRouter(RequestRouter):
     """Serve ``RequestRouter`` for the Engine deployment (runs inside every caller's handle)."""
 
-    def initialize_state(self, affinity_slack: float = 1.0, affinity_entries: int = 4096, **_: Any) -> None:
-        self.affinity_slack = affinity_slack
-        self.affinity_entries = affinity_entries
-        self._affinity: OrderedDict[int, str] = OrderedDict()
+    def initialize_state(self, policy: str = Policy.CACHE_AWARE.value, prefill_tokens_per_request: int = 256,
+                         **_: Any) -> None:
+        self.policy = Policy(policy)
+        self.prefill_tokens_per_request = prefill_tokens_per_request
         self._sent = SentSinceReport()
+        self._turn = itertools.count()
+        self._rng = random.Random()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -125,58 +97,46 @@ class EngineRouter(RequestRouter):
         requests = _engine_requests(msg)
         if not requests:
             return [candidate_replicas]
-        # A batch (stages.transport.admission) is placed as one request of its total size; its requests
-        # share the replicas to avoid (the batching groups by them), and the first one's prefix
-        # picks the affinity.
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        for rid, r in by_id.items():
+            VIEWS.update(rid, (r.routing_stats or {}).get("prefix"))
+        VIEWS.retain(by_id)
+        # A batch is placed as one request of its total size; its requests share the replicas to
+        # avoid and, under the cache-aware policy, their cache home (the admission key groups them).
         prompt_tokens, n = sum(len(r.prompt_token_ids) for r in requests), sum(r.n for r in requests)
-        costs = {}
+        avoid = set(requests[0].avoid_replicas)
+        hashes = [dict[int, list[int]]() for _ in requests]
+        cached: dict[str, list[int]] = {}
+        candidates = []
         for rid, r in by_id.items():
             load = ReplicaLoad.from_stats(r.routing_stats)
-            costs[rid] = start_cost(load, prompt_tokens=prompt_tokens, n=n,
-                                    sent_since_report=self._sent_since(rid, load),
-                                    ongoing=self.replica_queue_len_cache.get(r.replica_id))
-        key = prefix_key(requests[0].prompt_token_ids)
-        preferred = self._affinity.get(key) if key is not None else None
-        order = rank(costs, avoid=set(requests[0].avoid_replicas), preferred=preferred,
-                     affinity_slack=self.affinity_slack)
-        return [[by_id[rid]] for rid in order]
+            cost = start_cost(load, prompt_tokens=prompt_tokens, n=n, sent_since_report=self._sent_since(rid, load),
+                              ongoing=self.replica_queue_len_cache.get(r.replica_id))
+            cached[rid] = [VIEWS.cached_tokens(rid, req.prompt_token_ids, h) for req, h in zip(requests, hashes, strict=True)]
+            candidates.append(Candidate(rid, cost, sum(cached[rid]), rid in avoid))
+        order = rank(candidates, policy=self.policy, prompt_tokens=prompt_tokens,
+                     prefill_tokens_per_request=self.prefill_tokens_per_request, turn=next(self._turn), rng=self._rng)
+        best, alt = order[0], (order[1] if len(order) > 1 else None)
+        for i, req in enumerate(requests):
+            req.route = RouteNote(best.replica, self.policy.value, best.score, cached[best.replica][i],
+                                  alt.replica if alt else None, alt.score if alt else None,
+                                  cached[alt.replica][i] if alt else 0)
+            # Counted now, not when Serve confirms the send (a round trip later): calls routed
+            # meanwhile must see this one, or a burst of calls all pick the same replica.
+            self._sent.add(best.replica, req.n)
+            VIEWS.sent(best.replica, req.prompt_token_ids)
+        return [[by_id[c.replica]] for c in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        requests = _engine_requests(pending_request.args[0] if pending_request.args else None)
+        """The call went to another replica than the first choice (it was busy): count it there."""
         rid = replica_id.unique_id
-        for msg in requests:
-            self._sent.add(rid, msg.n)
-            key = prefix_key(msg.prompt_token_ids)
-            if key is not None:
-                self._affinity[key] = rid
-                self._affinity.move_to_end(key)
-                while len(self._affinity) > self.affinity_entries:
-                    self._affinity.popitem(last=False)
+        for msg in _engine_requests(pending_request.args[0] if pending_request.args else None):
+            if msg.route is not None and msg.route.replica != rid:
+                self._sent.add(rid, msg.n)
+                VIEWS.sent(rid, msg.prompt_token_ids)
 
     def _sent_since(self, rid: str, load: ReplicaLoad | None) -> int:
         return self._sent.count(rid, load.seq if load is not None else None)
-
-
-class SentSinceReport:
-    """What this router sent each replica since that replica's last report. Reports are numbered:
-    a report with a new number already counts what was sent before it, so the count restarts."""
-
-    def __init__(self) -> None:
-        #: replica id → (number of the report last seen, requests sent since)
-        self._sent: dict[str, tuple[int, int]] = {}
-
-    def count(self, replica: str, report_seq: int | None) -> int:
-        """Requests sent since the report numbered ``report_seq`` (``None``: no report yet)."""
-        seq, sent = self._sent.get(replica, (-1, 0))
-        if report_seq is not None and report_seq != seq:
-            self._sent[replica] = (report_seq, 0)
-            return 0
-        return sent
-
-    def add(self, replica: str, n: int) -> None:
-        seq, sent = self._sent.get(replica, (-1, 0))
-        self._sent[replica] = (seq, sent + n)
 
 
 def _engine_requests(msg: Any) -> list[EngineRequest]:

@@ -120,6 +120,8 @@ class Call:
     def __init__(self, consumer: Consumer, inbox: _Slot, item: Any, ids: list[str]) -> None:
         self.consumer = consumer
         self.inbox = inbox
+        #: What was sent (the router may have noted on it where it went).
+        self.item = item
         self.ids = ids
         self.replica = ""
         self._ended = False

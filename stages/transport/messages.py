@@ -7,6 +7,8 @@ durations measured inside one process, never raw clocks from another process.
 
 from __future__ import annotations
 
+import sys
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +118,73 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class PrefixSummary:
+    """What an engine replica holds in its prefix cache, for the routers (Engine → every caller).
+
+    The chained hash (:func:`stages.engine.core.block_manager.chain_hash`) of every cached full
+    block, cut to its low 32 bits and packed little-endian: 4 bytes a block, and only hashes leave
+    the engine, never token ids. ``version`` changes whenever the set does. A router that finds a
+    prompt's block hashes here expects those tokens cached; the engine still confirms every hit by
+    its tokens, so a stale or colliding summary costs a wrong guess, never a wrong answer.
+    """
+
+    block_size: int
+    version: int
+    hashes: bytes = b""
+
+    @staticmethod
+    def short(block_hash: int) -> int:
+        """The 32 bits of a chained hash that a summary keeps."""
+        return block_hash & 0xFFFFFFFF
+
+    @classmethod
+    def of(cls, block_size: int, version: int, block_hashes: list[int]) -> PrefixSummary:
+        packed = array("I", (h & 0xFFFFFFFF for h in block_hashes))
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return cls(block_size, version, packed.tobytes())
+
+    def hash_set(self) -> frozenset[int]:
+        """The short hashes, unpacked (a router does this once per version)."""
+        packed = array("I")
+        packed.frombytes(self.hashes)
+        if sys.byteorder != "little":
+            packed.byteswap()
+        return frozenset(packed)
+
+    def __len__(self) -> int:
+        return len(self.hashes) // 4
+
+
+@dataclass(frozen=True)
+class RouteNote:
+    """Why the router sent a request where it did (set by :mod:`stages.routing` on the caller's
+    side, read by the engine for its span and by Egress for the request's summary).
+
+    ``expected_cached_tokens`` is what the router believed the replica had cached of this prompt;
+    the engine's actual hit is ``EngineOutput.num_cached_tokens``. ``alternative`` is the next best
+    replica (``None`` with one candidate) with its score: lower scores are better.
+    """
+
+    replica: str
+    policy: str
+    score: float
+    expected_cached_tokens: int
+    alternative: str | None = None
+    alternative_score: float | None = None
+    alternative_cached_tokens: int = 0
+
+    def attributes(self) -> dict[str, Any]:
+        """As span attributes / log fields (``lifecycle.route.*`` without the prefix)."""
+        out: dict[str, Any] = {"replica": self.replica, "policy": self.policy, "score": round(self.score, 3),
+                               "expected_cached_tokens": self.expected_cached_tokens}
+        if self.alternative is not None:
+            out.update(alternative=self.alternative, alternative_score=round(self.alternative_score or 0.0, 3),
+                       alternative_cached_tokens=self.alternative_cached_tokens)
+        return out
+
+
 @dataclass
 class EngineRequest:
     """A tokenised API request handed from Preprocess (through Egress) to one Engine replica.
@@ -144,6 +213,8 @@ class EngineRequest:
     consumer: str = ""
     #: Structured output: every choice's tokens must match this grammar (``None``: unconstrained).
     grammar: GrammarSpec | None = None
+    #: Set by the engine router when it places the request (:mod:`stages.routing`).
+    route: RouteNote | None = None
 
     def choice_ids(self) -> list[str]:
         """The engine request id of every choice, in choice order."""
@@ -346,6 +417,8 @@ class StreamSummary:
     aborted_by_stop_string: bool = False
     #: The non-streamed response body; ``None`` when streaming.
     body: dict[str, Any] | None = None
+    #: Where the engine router sent the request and what it expected cached there.
+    route: RouteNote | None = None
 
 
 @dataclass

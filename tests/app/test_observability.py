@@ -76,6 +76,14 @@ def test_one_trace_per_request_across_processes(serve_app: ServeApp):
         assert any(name == "chunk" for name, _ in prefill.events)
         decode = next(s for s in spans if s.name == "decode")
         assert decode.attributes["lifecycle.decode_steps"] == 7
+        # Where the router sent it and what it expected cached there, beside the actual hit, on
+        # both the engine's span and the request's.
+        for span in (engine, root):
+            assert span.attributes["lifecycle.route.policy"] == "cache_aware"
+            assert span.attributes["lifecycle.route.replica"]
+            assert span.attributes["lifecycle.route.expected_cached_tokens"] >= 0
+            assert "lifecycle.route.alternative" not in span.attributes  # one engine replica
+            assert span.attributes["lifecycle.cached_tokens"] >= 0
     assert len(trace_ids) == len(rids)
 
 
@@ -225,6 +233,8 @@ def test_one_structured_log_line_per_request(serve_app: ServeApp):
     assert record["finish_reasons"] == ["length"] and record["outcome"] == "ok"
     assert secret not in lines[0] and "prompt" not in record  # prompts are not logged unless enabled
     assert re.fullmatch(r"[0-9a-f]{32}", record["request_id"])  # the server-minted id, not the label
+    assert record["route"]["policy"] == "cache_aware" and record["route"]["replica"]
+    assert record["route"]["expected_cached_tokens"] >= 0 and "cached_tokens" in record
 
 
 def _log_records(app: ServeApp, rid: str, timeout: float = 20) -> list[dict]:

@@ -83,7 +83,7 @@ def test_typo_in_args_is_rejected():
 
 
 def test_build_app_graph_shape():
-    app = build_app({"engine": {"max_num_seqs": 4}})
+    app = build_app({"engine": {"max_num_seqs": 4}, "routing": {"prefill_tokens_per_request": 512}})
     ingress = app._bound_deployment
     assert ingress.name == "Ingress"
     preprocess, egress, engine, app_config, directory = ingress.init_args
@@ -108,6 +108,8 @@ def test_build_app_graph_shape():
     # The engine routes with the project's router (queue depth and KV headroom), not Serve's default.
     router = engine._bound_deployment._deployment_config.request_router_config
     assert router.request_router_class.endswith("EngineRouter") or router.request_router_class.__name__ == "EngineRouter"
+    # ... configured by the routing section.
+    assert router.request_router_kwargs == {"policy": "cache_aware", "prefill_tokens_per_request": 512}
     # CPU stages take a fraction of a core; the engine a whole one.
     assert preprocess._bound_deployment.ray_actor_options["num_cpus"] < 1
     assert engine._bound_deployment.ray_actor_options["num_cpus"] == 1
@@ -135,7 +137,7 @@ def test_build_app_has_the_one_parameter_serve_requires():
 def test_every_section_is_frozen_and_crosses_a_boundary_intact():
     cfg = AppConfig.from_args({"engine": {"max_num_seqs": 4}, "http": {"api_keys": ["sk-test-key"]}})
     sections = [cfg, *(getattr(cfg, name) for name, info in AppConfig.model_fields.items() if _is_section(info))]
-    assert len(sections) == 6
+    assert len(sections) == 7
     for section in sections:
         name = next(iter(type(section).model_fields))
         with pytest.raises(ValidationError, match="frozen"):
@@ -202,7 +204,7 @@ def test_leaf_keys_cover_every_section():
     keys = _leaf_keys()
     assert "model" in keys and "engine.block_size" in keys and "http.api_keys" in keys
     assert {k.split(".")[0] for k in keys if "." in k} == {"engine", "http", "tracing", "structured_outputs",
-                                                           "preprocess"}
+                                                           "preprocess", "routing"}
 
 
 @pytest.mark.parametrize("doc", sorted(DOCS))

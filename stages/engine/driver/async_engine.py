@@ -31,7 +31,7 @@ from stages.engine.driver.interface import Driver
 from stages.engine.driver.messages import Abort, AddRequest, Dead, Fail, Kind, LoopEvent, Outputs
 from stages.engine.driver.step_loop import ABORT_LATENCY_BUCKETS, CumulativeHistogram
 from stages.transport.channel import merge_group
-from stages.transport.messages import EngineOutput, EngineRequest
+from stages.transport.messages import EngineOutput, EngineRequest, PrefixSummary
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +163,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The latest snapshot (taken by the step loop after each step)."""
         return self.driver.status().stats
+
+    def prefix_summary(self) -> PrefixSummary | None:
+        """What the prefix cache holds, as of the loop's latest summary (for the routers)."""
+        return self.driver.status().prefix
 
     def take_ttfts(self) -> list[float]:
         """Engine-side TTFTs (seconds) of the requests that got their first token since the last

@@ -185,6 +185,8 @@ class ChildProcessDriver:
                 break
             if batch.status is not None:
                 self._ttfts.extend(batch.status.new_ttfts)
+                if batch.status.prefix is None and self._status is not None:
+                    batch.status.prefix = self._status.prefix
                 self._status = batch.status
             events = batch.events
             if events:
@@ -227,6 +229,8 @@ class _ChildLoop(StepLoop):
         super().__init__(engine, self._buffer_event, **kwargs)
         #: The step count when the loop last published an idle status (once per idle spell).
         self._idle_at = -1
+        #: The prefix summary the parent has (a summary crosses the pipe once).
+        self._prefix_sent: Any = None
 
     @property
     def step_started(self) -> float | None:
@@ -247,6 +251,10 @@ class _ChildLoop(StepLoop):
         if with_status:
             status = self.status()
             status.new_ttfts = self.take_ttfts()
+            if status.prefix is self._prefix_sent:
+                status.prefix = None  # unchanged: the parent keeps the last one
+            else:
+                self._prefix_sent = status.prefix
         if events or status is not None:
             with self._conn_lock:
                 self._conn.send(StepBatch(events, status))
@@ -260,7 +268,7 @@ class _ChildLoop(StepLoop):
         self._flush()
 
     def idle(self) -> None:
-        if self._buffer or self.engine.num_steps != self._idle_at:
+        if self._buffer or self.engine.num_steps != self._idle_at or self.prefix is not self._prefix_sent:
             self._idle_at = self.engine.num_steps
             self._flush()
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 from stages.config import EngineSettings, TracingSettings
 from stages.engine.core.engine import EngineStats
-from stages.transport.messages import EngineOutput, EngineRequest
+from stages.transport.messages import EngineOutput, EngineRequest, PrefixSummary
 
 
 class Kind(enum.Enum):
@@ -144,6 +144,9 @@ class LoopStatus:
     new_ttfts: list[float] = field(default_factory=list)
     #: Counters kept where the loop runs (``traced_requests``).
     counters: dict[str, Any] = field(default_factory=dict)
+    #: What the prefix cache holds, for the routers; a child sends it only when it changed (the
+    #: parent keeps the last one), so ``None`` from a child means "as before".
+    prefix: PrefixSummary | None = None
 
 
 # -- the child process's framing --------------------------------------------------------------------

@@ -47,7 +47,7 @@ from stages.engine.driver.messages import (
     ToLoop,
 )
 from stages.engine.driver.priority import raise_thread_priority
-from stages.transport.messages import EngineOutput, GrammarSpec
+from stages.transport.messages import EngineOutput, GrammarSpec, PrefixSummary
 
 if TYPE_CHECKING:
     from stages.engine.driver.tracing import EngineTracer
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Upper bounds (seconds) of the abort-latency histogram.
+#: Seconds between two summaries of the prefix cache at most (routers read one a second).
+PREFIX_SUMMARY_INTERVAL_S = 0.25
 ABORT_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -111,6 +113,9 @@ class StepLoop:
         self._stop = False
         self.dead: BaseException | None = None
         self.stats: EngineStats = engine.stats()
+        #: The prefix cache as routers see it, rebuilt at most every PREFIX_SUMMARY_INTERVAL_S.
+        self.prefix: PrefixSummary = self._summarise()
+        self._prefix_at = time.monotonic()
         #: Adds whose grammar is being built, and those of them aborted meanwhile (this thread only).
         self._building: set[str] = set()
         self._cancelled: set[str] = set()
@@ -146,7 +151,20 @@ class StepLoop:
         """The latest gauges and counters (``new_ttfts`` left empty: see :meth:`take_ttfts`)."""
         counters = {"traced_requests": self.tracer.num_traced} if self.tracer is not None else {}
         return LoopStatus(self.stats, self.rejected_overloaded, list(self.abort_latency.counts),
-                          self.abort_latency.sum, counters=counters)
+                          self.abort_latency.sum, counters=counters, prefix=self.prefix)
+
+    def _summarise(self) -> PrefixSummary:
+        bm = self.engine.block_manager
+        return PrefixSummary.of(bm.block_size, bm.cache_version, bm.cached_hashes())
+
+    def _refresh_prefix(self) -> None:
+        """Rebuild :attr:`prefix` when the cache changed and the last one is old enough: a summary
+        walks every cached block, so it is built a few times a second at most, not every step."""
+        now = time.monotonic()
+        if (now - self._prefix_at >= PREFIX_SUMMARY_INTERVAL_S
+                and self.engine.block_manager.cache_version != self.prefix.version):
+            self.prefix = self._summarise()
+            self._prefix_at = now
 
     def take_ttfts(self) -> list[float]:
         """Engine-side TTFTs (seconds) of the requests that got their first token since the last
@@ -168,6 +186,7 @@ class StepLoop:
                 self._drain_inbox()
                 if not engine.has_unfinished():
                     self.stats = engine.stats()
+                    self._refresh_prefix()
                     self.idle()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
@@ -177,6 +196,7 @@ class StepLoop:
                 outputs = engine.step()
                 self.step_started = None
                 self.stats = engine.stats()
+                self._refresh_prefix()
                 if outputs:
                     self.emit(Outputs(outputs))
                 for rid, error in engine.take_failures():
@@ -234,6 +254,7 @@ class StepLoop:
             req = self.engine.add_request(add.request_id, request.prompt_token_ids, add.params, add.arrival,
                                           grammar=request.grammar, grammar_template=add.grammar_template)
             req.trace = request.trace_context or None
+            req.route = request.route
             if add.index == 0:
                 # An empty first item says "accepted": callers can commit to a 200 response now and
                 # still report queue-full or invalid requests with their own status before it.

@@ -44,6 +44,8 @@ class EngineTracer:
                  "lifecycle.preemptions": req.num_preemptions}
         if req.grammar is not None:
             attrs["lifecycle.structured_output"] = req.grammar.kind
+        if req.route is not None:
+            attrs.update({f"lifecycle.route.{k}": v for k, v in req.route.attributes().items()})
         root = tracer.start_span("engine", context=extract(carrier), start_time=ns(req.arrival_time),
                                  attributes=attrs)
         if not root.is_recording():

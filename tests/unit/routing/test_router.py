@@ -1,125 +1,25 @@
-"""The engine routing policy and the directory's bookkeeping, as pure logic (no Ray cluster)."""
+"""The Serve routers of the Engine and Egress hops, driven with fake replicas (no Ray cluster)."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from types import SimpleNamespace
 from typing import Any
 
-from stages.directory.directory import LiveDirectory
-from stages.routing.router import FULL, EgressRouter, ReplicaLoad, SentSinceReport, prefix_key, rank, start_cost
-from stages.transport.messages import AbortRequest, AdmissionBatch, EngineReport, LiveEntry
+from stages.engine.core.block_manager import ROOT_HASH, chain_hash
+from stages.routing import router as router_module
+from stages.routing.load import SentSinceReport
+from stages.routing.prefix import PrefixViews
+from stages.routing.router import EgressRouter, EngineRouter
+from stages.transport.messages import (
+    AbortRequest,
+    AdmissionBatch,
+    EngineRequest,
+    PrefixSummary,
+    SamplingParams,
+)
 
-
-def load(waiting: int = 0, running: int = 0, free: int = 100, max_seqs: int = 8, max_waiting: int = 16) -> ReplicaLoad:
-    return ReplicaLoad(num_waiting=waiting, num_running=running, max_num_seqs=max_seqs, num_free_blocks=free,
-                       block_size=16, max_waiting=max_waiting)
-
-
-# -- start_cost / rank ------------------------------------------------------------------------------------------
-def test_a_free_batch_slot_means_no_wait_whatever_the_open_streams():
-    assert start_cost(load(running=7), prompt_tokens=100) < 0.5
-    assert start_cost(load(running=8, waiting=3), prompt_tokens=100) > 3.9
-
-
-def test_queue_depth_ranks_before_open_streams():
-    busy_batch = start_cost(load(running=8, waiting=0), prompt_tokens=50)
-    long_queue = start_cost(load(running=8, waiting=6), prompt_tokens=50)
-    assert busy_batch < long_queue
-
-
-def test_no_kv_headroom_costs_a_whole_batch():
-    roomy = start_cost(load(running=2, free=100), prompt_tokens=500)
-    tight = start_cost(load(running=2, free=10), prompt_tokens=500)  # needs 32 blocks
-    assert tight - roomy >= 8
-
-
-def test_full_waiting_queue_ranks_last_and_sends_since_report_count():
-    assert start_cost(load(waiting=16), prompt_tokens=10) == FULL
-    assert start_cost(load(waiting=10), prompt_tokens=10, n=4, sent_since_report=3) == FULL
-    assert start_cost(load(running=8), prompt_tokens=10, sent_since_report=2) > start_cost(load(running=8),
-                                                                                         prompt_tokens=10)
-
-
-def test_no_report_yet_falls_back_to_open_calls():
-    assert start_cost(None, prompt_tokens=10, ongoing=5) == 5
-
-
-def test_rank_avoids_refusers_and_prefers_affinity_within_slack():
-    costs = {"a": 0.0, "b": 0.5, "c": 3.0}
-    assert rank(costs) == ["a", "b", "c"]
-    assert rank(costs, avoid={"a"}) == ["b", "c", "a"]
-    assert rank(costs, preferred="b") == ["b", "a", "c"]  # within 1 request of the best
-    assert rank(costs, preferred="c") == ["a", "b", "c"]  # too busy: affinity yields
-    assert rank({"a": 0.0, "b": FULL}, preferred="b") == ["a", "b"]
-
-
-def test_prefix_key_needs_a_real_prefix():
-    assert prefix_key([1, 2, 3]) is None
-    assert prefix_key(list(range(100))) == prefix_key(list(range(64)) + [9] * 36)
-
-
-# -- the directory ---------------------------------------------------------------------------------------------
-def entry(rid: str, owner: str = "a", label: str | None = None, key: str | None = None) -> LiveEntry:
-    return LiveEntry(rid, f"chatcmpl-{rid}", owner, label, key)
-
-
-def test_cancel_by_response_id_is_exact_and_by_label_is_every_carrier():
-    d = LiveDirectory()
-    d.sync("a", [entry("r1", label="L"), entry("r2", label="L")], [])
-    d.sync("b", [entry("r3", owner="b", label="L"), entry("r4", owner="b")], [])
-    assert [e.request_id for e in d.cancel("chatcmpl-r4")] == ["r4"]
-    assert sorted(e.request_id for e in d.cancel("L")) == ["r1", "r2", "r3"]
-    assert d.take_cancels("a") == ["r1", "r2"] and sorted(d.take_cancels("b")) == ["r3", "r4"]
-    assert d.take_cancels("a") == []  # delivered once
-
-
-def test_removed_entries_and_labels_are_forgotten():
-    d = LiveDirectory()
-    d.sync("a", [entry("r1", label="L")], [])
-    d.sync("a", [], ["r1"])
-    assert d.cancel("L") == [] and d.cancel("chatcmpl-r1") == [] and d.entries == {}
-
-
-def test_full_sync_replaces_and_dead_owners_are_pruned():
-    d = LiveDirectory(owner_ttl_s=10)
-    d.sync("a", [entry("r1"), entry("r2")], [])
-    d.sync("a", [entry("r3")], [], full=True)
-    assert set(d.entries) == {"r3"}
-    d.sync("b", [entry("r4", owner="b")], [])
-    d._owners["a"].last_seen -= 60
-    assert d.prune() == ["a"] and set(d.entries) == {"r4"} and not d.knows("a")
-
-
-def test_api_key_scopes_cancel():
-    d = LiveDirectory()
-    d.sync("a", [entry("r1", key="k1")], [])
-    assert d.cancel("chatcmpl-r1", "k2") == [] and len(d.cancel("chatcmpl-r1", "k1")) == 1
-
-
-def test_stale_engine_reports_drop_out():
-    d = LiveDirectory(report_ttl_s=5)
-    d.report(EngineReport("e1", "n", 100, True))
-    d.report(EngineReport("e2", "n", 90, True))
-    r, at = d._reports["e1"]
-    d._reports["e1"] = (r, at - 10)
-    assert [x.replica for x in d.engine_reports()] == ["e2"]
-
-
-def test_aborts_forwarded_for_a_draining_replica_reach_it_once_and_expire_if_it_never_asks():
-    d = LiveDirectory(abort_ttl_s=30.0)
-    d.forward_abort(AbortRequest("engine-A", ["r1", "r2"]))
-    d.forward_abort(AbortRequest("engine-A", ["r2", "r3"]))
-    d.forward_abort(AbortRequest("", ["nobody"]))  # names no replica: nothing to hold it for
-    d.forward_abort(AbortRequest("engine-gone", ["r9"]))
-    report = EngineReport("engine-A", "n", 8192, True)
-    assert d.report(report) == ["r1", "r2", "r3"], "an engine takes its aborts with its report"
-    assert d.report(report) == [], "each id is handed out once"
-    assert d.take_aborts("egress-B") == []
-    assert d.num_forwarded() == 1
-    d.prune(now=time.monotonic() + 31)
-    assert d.num_forwarded() == 0, "a replica that never asks (it died, and its requests) lets them expire"
+BS = 4
 
 
 def test_egress_router_places_job_batches_by_reported_jobs_plus_what_it_sent_since():
@@ -144,3 +44,108 @@ def test_egress_router_places_job_batches_by_reported_jobs_plus_what_it_sent_sin
     b.routing_stats = {"admitted_jobs": 2, "seq": 2}  # a fresh report already counts them
     assert choose([a, b], jobs) == ["b", "a"]
     assert choose([a, b], AbortRequest("a", ["r1"])) == ["a"]
+
+
+# -- the engine router -------------------------------------------------------------------------------------------
+def engine_replica(uid: str, *, waiting: int = 0, running: int = 0, cached: list[list[int]] = (),
+                   version: int = 1) -> Any:
+    hashes = [h for tokens in cached for h in chained(tokens)]
+    stats = {"num_waiting": waiting, "num_running": running, "max_num_seqs": 8, "num_free_blocks": 500,
+             "block_size": BS, "max_waiting": 16, "seq": version,
+             "prefix": PrefixSummary.of(BS, version, hashes)}
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats=stats)
+
+
+def chained(tokens: list[int]) -> list[int]:
+    out, parent = [], ROOT_HASH
+    for i in range(len(tokens) // BS):
+        parent = chain_hash(parent, tuple(tokens[i * BS:(i + 1) * BS]))
+        out.append(parent)
+    return out
+
+
+def engine_router(monkeypatch: Any, policy: str = "cache_aware") -> Any:
+    monkeypatch.setattr(router_module, "VIEWS", PrefixViews())
+    router = SimpleNamespace(replica_queue_len_cache=SimpleNamespace(get=lambda replica_id: None))
+    EngineRouter.initialize_state(router, policy=policy, prefill_tokens_per_request=256)
+    router._sent_since = lambda rid, load: EngineRouter._sent_since(router, rid, load)
+    return router
+
+
+def route(router: Any, candidates: list[Any], msg: Any) -> list[str]:
+    ranked = asyncio.run(EngineRouter.choose_replicas(router, candidates, SimpleNamespace(args=[msg])))
+    return [group[0].replica_id.unique_id for group in ranked]
+
+
+def request(rid: str, tokens: list[int]) -> EngineRequest:
+    return EngineRequest(rid, tokens, SamplingParams(max_tokens=4))
+
+
+SYSTEM = list(range(1, 33))  # what every conversation shares (8 blocks)
+TURN1 = SYSTEM + list(range(1000, 1400))  # a conversation's history: 100 more blocks
+
+
+def test_a_later_turn_goes_where_its_history_is_cached_and_says_so(monkeypatch):
+    router = engine_router(monkeypatch)
+    a = engine_replica("a", running=2, cached=[SYSTEM])
+    b = engine_replica("b", running=4, cached=[SYSTEM, TURN1])
+    turn2 = request("t2", TURN1 + list(range(5000, 5050)))
+    assert route(router, [a, b], AdmissionBatch([turn2])) == ["b", "a"]
+    note = turn2.route
+    assert (note.replica, note.expected_cached_tokens, note.alternative) == ("b", len(TURN1), "a")
+    assert note.alternative_cached_tokens == len(SYSTEM) and note.alternative_score > note.score
+    assert note.attributes()["policy"] == "cache_aware"
+    # Two replicas with the same system prompt only: the less loaded one.
+    first = request("t1", SYSTEM + list(range(9000, 9100)))
+    assert route(router, [a, b], AdmissionBatch([first])) == ["a", "b"]
+
+
+def test_a_send_counts_before_the_next_report(monkeypatch):
+    router = engine_router(monkeypatch)
+    a, b = engine_replica("a", cached=[SYSTEM]), engine_replica("b", cached=[SYSTEM])
+    doc = request("q1", SYSTEM + list(range(3000, 3600)))
+    order = route(router, [a, b], AdmissionBatch([doc]))  # counted as sent to its first choice
+    # The next question about the same document follows the first, though no report says so yet.
+    again = request("q2", SYSTEM + list(range(3000, 3600)) + [7, 7, 7])
+    assert route(router, [a, b], AdmissionBatch([again]))[0] == order[0]
+    assert again.route.expected_cached_tokens >= 600
+    assert router_module.cache_home(again) == order[0]
+    assert router_module.cache_home(request("new", SYSTEM + [5] * 40)) is None  # only the shared part
+
+
+def test_calls_routed_together_spread_by_load(monkeypatch):
+    """Serve confirms a send a round trip later: a burst of calls must not all pick one replica."""
+    router = engine_router(monkeypatch)
+    a, b = engine_replica("a", cached=[SYSTEM]), engine_replica("b", cached=[SYSTEM])
+    firsts = [route(router, [a, b], AdmissionBatch([request(f"c{i}", SYSTEM + [100 + i] * 20)]))[0]
+              for i in range(4)]
+    assert sorted(firsts) == ["a", "a", "b", "b"]
+
+
+def test_a_call_that_went_elsewhere_is_counted_there(monkeypatch):
+    router = engine_router(monkeypatch)
+    a, b = engine_replica("a", cached=[SYSTEM]), engine_replica("b", cached=[SYSTEM])
+    doc = request("q", SYSTEM + list(range(3000, 3100)))
+    first, other = route(router, [a, b], AdmissionBatch([doc]))
+    assert router_module.VIEWS.cached_tokens(other, doc.prompt_token_ids) == len(SYSTEM)
+    EngineRouter.on_request_routed(router, SimpleNamespace(args=[AdmissionBatch([doc])]),
+                                   SimpleNamespace(unique_id=other), None)  # the first turned it away
+    assert router_module.VIEWS.cached_tokens(other, doc.prompt_token_ids) >= 100
+
+
+def test_named_messages_go_to_their_replica_and_refusers_go_last(monkeypatch):
+    router = engine_router(monkeypatch)
+    a, b = engine_replica("a", cached=[SYSTEM, TURN1]), engine_replica("b")
+    assert route(router, [a, b], AbortRequest("b", ["r1"])) == ["b"]
+    refused = request("r", TURN1 + [1, 2, 3])
+    refused.avoid_replicas = ["a"]
+    assert route(router, [a, b], AdmissionBatch([refused])) == ["b", "a"]
+
+
+def test_other_policies_ignore_the_cache(monkeypatch):
+    router = engine_router(monkeypatch, policy="least_loaded")
+    a = engine_replica("a", running=8, waiting=1, cached=[SYSTEM, TURN1])
+    b = engine_replica("b")
+    turn2 = request("t2", TURN1 + [4] * 20)
+    assert route(router, [a, b], AdmissionBatch([turn2])) == ["b", "a"]
+    assert turn2.route.policy == "least_loaded" and turn2.route.alternative_cached_tokens == len(TURN1)
