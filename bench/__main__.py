@@ -9,6 +9,8 @@ into ``--out``; tokens are counted from the server's ``usage``.
     python -m bench cancel
     python -m bench proxy                       # starts and stops a real nginx on loopback
     python -m bench compare                     # starts and stops llama-server (`make peer` builds it)
+    python -m bench multiturn --label cache_aware   # conversations resending their history (prefix cache)
+    python -m bench docs --label cache_aware        # questions on shared long documents, interleaved
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ COMMANDS = {
     "cancel": ("bench.cmd_cancel", "drop clients mid-generation; engine running count and KV usage over time"),
     "proxy": ("bench.cmd_proxy", "the stream direct vs through nginx (default buffering, header ignored)"),
     "compare": ("bench.cmd_compare", "this server vs llama.cpp's llama-server, alternating rounds"),
+    "multiturn": ("bench.cmd_prefix", "concurrent multi-turn conversations: TTFT and cache hits by turn"),
+    "docs": ("bench.cmd_prefix", "questions on shared long documents, interleaved: TTFT and cache hits"),
 }
 
 

@@ -110,6 +110,10 @@ class StreamRecord:
     error: str | None = None
     #: perf_counter() at which the request was sent (to line up requests of one run).
     t_sent: float = 0.0
+    #: The reply's content text (reasoning excluded): what a multi-turn client sends back as history.
+    text: str = ""
+    #: ``usage.prompt_tokens_details.cached_tokens`` when the server reports it.
+    cached_tokens: int | None = None
 
     @property
     def gaps(self) -> list[float]:
@@ -178,7 +182,10 @@ async def stream_chat(client: httpx.AsyncClient, body: dict[str, Any], path: str
 def _absorb(rec: StreamRecord, chunk: dict[str, Any], now: float) -> None:
     for choice in chunk.get("choices") or []:
         delta = choice.get("delta") or {}
-        text = delta.get("content") or choice.get("text") or delta.get("reasoning_content")
+        content = delta.get("content") or choice.get("text")
+        if content:
+            rec.text += content
+        text = content or delta.get("reasoning_content")
         if text:
             if not rec.event_times:
                 rec.ttft = now
@@ -189,6 +196,8 @@ def _absorb(rec: StreamRecord, chunk: dict[str, Any], now: float) -> None:
     if usage:
         rec.prompt_tokens = usage.get("prompt_tokens")
         rec.completion_tokens = usage.get("completion_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        rec.cached_tokens = int(cached) if cached is not None else rec.cached_tokens
     if isinstance(chunk.get("server_timing"), dict):
         rec.server_timing = {k: float(v) for k, v in chunk["server_timing"].items()}
         rec.timing_source = "server_timing"

@@ -27,7 +27,7 @@ def test_help_lists_every_subcommand() -> None:
     out = subprocess.run([sys.executable, "-m", "bench", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0
-    for name in ("client", "sweep", "load", "cancel", "proxy", "compare"):
+    for name in ("client", "sweep", "load", "cancel", "proxy", "compare", "multiturn", "docs"):
         assert name in out.stdout
         sub = subprocess.run([sys.executable, "-m", "bench", name, "--help"], cwd=ROOT, capture_output=True,
                              text=True, timeout=60)
@@ -124,3 +124,18 @@ def test_load_and_cancel_against_a_bare_server_say_what_they_skip(bare_server: s
     doc = run_bench(["cancel", "--url", bare_server, "--streams", "2", "--drop", "1", "--drop-after", "0.1",
                      "--observe", "0.2", "--max-tokens", "400", "--repeats", "1"], tmp_path)
     assert any("no /metrics" in n for n in doc["notes"])
+
+
+def test_multiturn_and_docs_against_a_bare_server_read_no_cache_hits(bare_server: str,
+                                                                                 tmp_path: Path) -> None:
+    doc = run_bench(["multiturn", "--url", bare_server, "--conversations", "2", "--turns", "2", "--user-tokens", "20",
+                     "--max-tokens", "3", "--repeats", "1", "--label", "bare"], tmp_path)
+    assert any("cached_tokens" in n for n in doc["notes"])
+    res = doc["results"]
+    assert res["label"] == "bare" and len(res["requests"]) == 4
+    assert all(r["cached_tokens"] == 0 for r in res["requests"])
+    assert res["per_round"][0]["hit_rate"] == 0 and res["per_round"][0]["output_tok_s"] > 0
+    assert "Configuration: **bare**" in (tmp_path / "multiturn.md").read_text()
+    doc = run_bench(["docs", "--url", bare_server, "--documents", "2", "--questions", "2", "--doc-tokens", "30",
+                     "--max-tokens", "3", "--repeats", "2"], tmp_path)
+    assert [(r["document"], r["question"]) for r in doc["results"]["requests"][:4]] == [(0, 0), (1, 0), (0, 1), (1, 1)]
