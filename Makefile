@@ -61,7 +61,7 @@ serve: setup
 	$(VENV)/bin/serve run serve_config.yaml
 
 test: setup nginx kubectl
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # tests/unit only: pure logic and the engine on the embedded model, no Ray Serve app, no cluster
 # (tests/conftest.py refuses a test there that needs one).

@@ -50,11 +50,11 @@ def engine_router_config(settings: RoutingSettings | None = None) -> RequestRout
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0)
 
 
-def cache_home(request: EngineRequest) -> str | None:
+def cache_home(request: EngineRequest, views: PrefixViews = VIEWS) -> str | None:
     """The replica that holds the most of ``request``'s prompt, when one holds more than the others
     (``None`` when all hold the same, e.g. only a shared system prompt)."""
     hashes: dict[int, list[int]] = {}
-    hits = {r: VIEWS.cached_tokens(r, request.prompt_token_ids, hashes) for r in VIEWS.replicas()}
+    hits = {r: views.cached_tokens(r, request.prompt_token_ids, hashes) for r in views.replicas()}
     if len(hits) < 2:
         return None
     best = max(hits, key=hits.__getitem__)
@@ -81,6 +81,8 @@ class EngineRouter(RequestRouter):
     def initialize_state(self, policy: str = Policy.CACHE_AWARE.value, prefill_tokens_per_request: int = 256,
                          **_: Any) -> None:
         self.policy = Policy(policy)
+        #: The process's picture of the engines' caches (shared with the admission batching).
+        self.views = VIEWS
         self.prefill_tokens_per_request = prefill_tokens_per_request
         self._sent = SentSinceReport()
         self._turn = itertools.count()
@@ -99,8 +101,8 @@ class EngineRouter(RequestRouter):
             return [candidate_replicas]
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         for rid, r in by_id.items():
-            VIEWS.update(rid, (r.routing_stats or {}).get("prefix"))
-        VIEWS.retain(by_id)
+            self.views.update(rid, (r.routing_stats or {}).get("prefix"))
+        self.views.retain(by_id)
         # A batch is placed as one request of its total size; its requests share the replicas to
         # avoid and, under the cache-aware policy, their cache home (the admission key groups them).
         prompt_tokens, n = sum(len(r.prompt_token_ids) for r in requests), sum(r.n for r in requests)
@@ -112,7 +114,7 @@ class EngineRouter(RequestRouter):
             load = ReplicaLoad.from_stats(r.routing_stats)
             cost = start_cost(load, prompt_tokens=prompt_tokens, n=n, sent_since_report=self._sent_since(rid, load),
                               ongoing=self.replica_queue_len_cache.get(r.replica_id))
-            cached[rid] = [VIEWS.cached_tokens(rid, req.prompt_token_ids, h) for req, h in zip(requests, hashes, strict=True)]
+            cached[rid] = [self.views.cached_tokens(rid, req.prompt_token_ids, h) for req, h in zip(requests, hashes, strict=True)]
             candidates.append(Candidate(rid, cost, sum(cached[rid]), rid in avoid))
         order = rank(candidates, policy=self.policy, prompt_tokens=prompt_tokens,
                      prefill_tokens_per_request=self.prefill_tokens_per_request, turn=next(self._turn), rng=self._rng)
@@ -124,7 +126,7 @@ class EngineRouter(RequestRouter):
             # Counted now, not when Serve confirms the send (a round trip later): calls routed
             # meanwhile must see this one, or a burst of calls all pick the same replica.
             self._sent.add(best.replica, req.n)
-            VIEWS.sent(best.replica, req.prompt_token_ids)
+            self.views.sent(best.replica, req.prompt_token_ids)
         return [[by_id[c.replica]] for c in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
@@ -133,7 +135,7 @@ class EngineRouter(RequestRouter):
         for msg in _engine_requests(pending_request.args[0] if pending_request.args else None):
             if msg.route is not None and msg.route.replica != rid:
                 self._sent.add(rid, msg.n)
-                VIEWS.sent(rid, msg.prompt_token_ids)
+                self.views.sent(rid, msg.prompt_token_ids)
 
     def _sent_since(self, rid: str, load: ReplicaLoad | None) -> int:
         return self._sent.count(rid, load.seq if load is not None else None)

@@ -64,10 +64,10 @@ def chained(tokens: list[int]) -> list[int]:
     return out
 
 
-def engine_router(monkeypatch: Any, policy: str = "cache_aware") -> Any:
-    monkeypatch.setattr(router_module, "VIEWS", PrefixViews())
+def engine_router(policy: str = "cache_aware") -> Any:
     router = SimpleNamespace(replica_queue_len_cache=SimpleNamespace(get=lambda replica_id: None))
     EngineRouter.initialize_state(router, policy=policy, prefill_tokens_per_request=256)
+    router.views = PrefixViews()  # this test's own, not the process's
     router._sent_since = lambda rid, load: EngineRouter._sent_since(router, rid, load)
     return router
 
@@ -85,8 +85,8 @@ SYSTEM = list(range(1, 33))  # what every conversation shares (8 blocks)
 TURN1 = SYSTEM + list(range(1000, 1400))  # a conversation's history: 100 more blocks
 
 
-def test_a_later_turn_goes_where_its_history_is_cached_and_says_so(monkeypatch):
-    router = engine_router(monkeypatch)
+def test_a_later_turn_goes_where_its_history_is_cached_and_says_so():
+    router = engine_router()
     a = engine_replica("a", running=2, cached=[SYSTEM])
     b = engine_replica("b", running=4, cached=[SYSTEM, TURN1])
     turn2 = request("t2", TURN1 + list(range(5000, 5050)))
@@ -100,8 +100,8 @@ def test_a_later_turn_goes_where_its_history_is_cached_and_says_so(monkeypatch):
     assert route(router, [a, b], AdmissionBatch([first])) == ["a", "b"]
 
 
-def test_a_send_counts_before_the_next_report(monkeypatch):
-    router = engine_router(monkeypatch)
+def test_a_send_counts_before_the_next_report():
+    router = engine_router()
     a, b = engine_replica("a", cached=[SYSTEM]), engine_replica("b", cached=[SYSTEM])
     doc = request("q1", SYSTEM + list(range(3000, 3600)))
     order = route(router, [a, b], AdmissionBatch([doc]))  # counted as sent to its first choice
@@ -109,32 +109,32 @@ def test_a_send_counts_before_the_next_report(monkeypatch):
     again = request("q2", SYSTEM + list(range(3000, 3600)) + [7, 7, 7])
     assert route(router, [a, b], AdmissionBatch([again]))[0] == order[0]
     assert again.route.expected_cached_tokens >= 600
-    assert router_module.cache_home(again) == order[0]
-    assert router_module.cache_home(request("new", SYSTEM + [5] * 40)) is None  # only the shared part
+    assert router_module.cache_home(again, router.views) == order[0]
+    assert router_module.cache_home(request("new", SYSTEM + [5] * 40), router.views) is None  # only the shared part
 
 
-def test_calls_routed_together_spread_by_load(monkeypatch):
+def test_calls_routed_together_spread_by_load():
     """Serve confirms a send a round trip later: a burst of calls must not all pick one replica."""
-    router = engine_router(monkeypatch)
+    router = engine_router()
     a, b = engine_replica("a", cached=[SYSTEM]), engine_replica("b", cached=[SYSTEM])
     firsts = [route(router, [a, b], AdmissionBatch([request(f"c{i}", SYSTEM + [100 + i] * 20)]))[0]
               for i in range(4)]
     assert sorted(firsts) == ["a", "a", "b", "b"]
 
 
-def test_a_call_that_went_elsewhere_is_counted_there(monkeypatch):
-    router = engine_router(monkeypatch)
+def test_a_call_that_went_elsewhere_is_counted_there():
+    router = engine_router()
     a, b = engine_replica("a", cached=[SYSTEM]), engine_replica("b", cached=[SYSTEM])
     doc = request("q", SYSTEM + list(range(3000, 3100)))
     first, other = route(router, [a, b], AdmissionBatch([doc]))
-    assert router_module.VIEWS.cached_tokens(other, doc.prompt_token_ids) == len(SYSTEM)
+    assert router.views.cached_tokens(other, doc.prompt_token_ids) == len(SYSTEM)
     EngineRouter.on_request_routed(router, SimpleNamespace(args=[AdmissionBatch([doc])]),
                                    SimpleNamespace(unique_id=other), None)  # the first turned it away
-    assert router_module.VIEWS.cached_tokens(other, doc.prompt_token_ids) >= 100
+    assert router.views.cached_tokens(other, doc.prompt_token_ids) >= 100
 
 
-def test_named_messages_go_to_their_replica_and_refusers_go_last(monkeypatch):
-    router = engine_router(monkeypatch)
+def test_named_messages_go_to_their_replica_and_refusers_go_last():
+    router = engine_router()
     a, b = engine_replica("a", cached=[SYSTEM, TURN1]), engine_replica("b")
     assert route(router, [a, b], AbortRequest("b", ["r1"])) == ["b"]
     refused = request("r", TURN1 + [1, 2, 3])
@@ -142,8 +142,8 @@ def test_named_messages_go_to_their_replica_and_refusers_go_last(monkeypatch):
     assert route(router, [a, b], AdmissionBatch([refused])) == ["b", "a"]
 
 
-def test_other_policies_ignore_the_cache(monkeypatch):
-    router = engine_router(monkeypatch, policy="least_loaded")
+def test_other_policies_ignore_the_cache():
+    router = engine_router(policy="least_loaded")
     a = engine_replica("a", running=8, waiting=1, cached=[SYSTEM, TURN1])
     b = engine_replica("b")
     turn2 = request("t2", TURN1 + [4] * 20)
