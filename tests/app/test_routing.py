@@ -20,7 +20,7 @@ pytestmark = pytest.mark.serve
 CONVERSATIONS, TURNS = 4, 3
 #: Between turns, as a user reads the answer: long enough for the engines' next cache summaries to
 #: reach both Egress replicas' routers (a turn may be routed by the other one).
-THINK_S = 2.5
+THINK_S = 5.0
 WORDS = "river stone amber cloud lantern meadow copper violet harbor ember willow falcon quartz".split()
 
 
