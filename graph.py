@@ -39,7 +39,8 @@ def build_app_with_options(args: dict[str, Any] | None = None,
     # Each stage receives the validated, frozen section objects it reads, unchanged; the Ingress,
     # the app's face (model names, limits, auth, inline preparation), receives the whole config.
     directory = deployment(DirectoryDeployment).bind()
-    engine = deployment(EngineDeployment.options(request_router_config=engine_router_config(cfg.routing))).bind(cfg.model, cfg.engine, cfg.tracing, directory)
+    routed_engine = EngineDeployment.options(request_router_config=engine_router_config(cfg.routing))
+    engine = deployment(routed_engine).bind(cfg.model, cfg.engine, cfg.tracing, directory)
     preprocess = deployment(PreprocessDeployment).bind(cfg.model, cfg.engine.max_model_len, cfg.tracing, directory,
                                                        cfg.structured_outputs)
     egress = deployment(EgressDeployment).bind(engine, cfg.model, cfg.tracing, directory=directory)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from stages.routing.load import FULL
@@ -80,9 +79,8 @@ def rank(candidates: list[Candidate], *, policy: Policy, prompt_tokens: int,
     else:  # POWER_OF_TWO: the less loaded of two at random, then the rest by load
         pair = set((rng or random).sample([c.replica for c in candidates], min(2, len(candidates))))
         scores = {c.replica: c.start_cost + (0.0 if c.replica in pair else FULL) for c in candidates}
-    by_name: Mapping[str, Candidate] = {c.replica: c for c in candidates}
     # Exact ties (idle replicas) are broken at random: routers in several processes that saw the
     # same reports must not all pick the same replica.
     tie = {c.replica: (rng or random).random() for c in candidates}
     order = sorted(candidates, key=lambda c: (c.avoid, scores[c.replica], tie[c.replica]))
-    return [Ranked(c.replica, scores[c.replica], by_name[c.replica].cached_tokens) for c in order]
+    return [Ranked(c.replica, scores[c.replica], c.cached_tokens) for c in order]

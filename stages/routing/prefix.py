@@ -91,11 +91,6 @@ class PrefixViews:
     def replicas(self) -> list[str]:
         return list(self._views)
 
-    def block_size(self, replica: str) -> int:
-        """The replica's block size (0 until it has published a summary)."""
-        view = self._views.get(replica)
-        return view.block_size if view is not None else 0
-
     def cached_tokens(self, replica: str, token_ids: list[int],
                       hashes: dict[int, list[int]] | None = None) -> int:
         """Prompt tokens expected cached on ``replica``. ``hashes`` memoises the prompt's block

@@ -140,7 +140,7 @@ class PrefixSummary:
 
     @classmethod
     def of(cls, block_size: int, version: int, block_hashes: list[int]) -> PrefixSummary:
-        packed = array("I", (h & 0xFFFFFFFF for h in block_hashes))
+        packed = array("I", map(cls.short, block_hashes))
         if sys.byteorder != "little":
             packed.byteswap()
         return cls(block_size, version, packed.tobytes())

@@ -54,9 +54,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Upper bounds (seconds) of the abort-latency histogram.
 #: Seconds between two summaries of the prefix cache at most (routers read one a second).
 PREFIX_SUMMARY_INTERVAL_S = 0.25
+#: Upper bounds (seconds) of the abort-latency histogram.
 ABORT_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
