@@ -174,8 +174,9 @@ def stop_app(keep_dir: bool = False) -> None:
     from ray.serve._private.constants import RAY_SERVE_HAPROXY_SERVER_STATE_BASE
 
     node_ids = [n["NodeID"] for n in ray.nodes()] if ray.is_initialized() else []
-    serve.shutdown()
-    ray.shutdown()
+    if ray.is_initialized():  # a second call (the session's finalizer after an early stop) is a no-op
+        serve.shutdown()
+        ray.shutdown()
     for node_id in node_ids:
         shutil.rmtree(os.path.join(RAY_SERVE_HAPROXY_SERVER_STATE_BASE, node_id), ignore_errors=True)
     temp_dir = _STATE.get("temp_dir")

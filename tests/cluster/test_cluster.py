@@ -1,6 +1,7 @@
 """The app on a real multi-node Ray cluster (head, two CPU workers, one "accelerator" worker), deployed
 with ``serve run --address``: placement by resource, CPU stages scaling up under load and back down
-(in-flight streams surviving the scale-down), and a CPU worker dying mid-stream.
+(in-flight streams surviving the scale-down), a CPU worker dying mid-stream, and last, the harness
+stopping the cluster without leaving anything behind.
 
 Asserts come from Ray's own state API (``ray.util.state``, through the head's dashboard).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -17,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import yaml
+from ray._common.utils import get_ray_address_file
 
 from tests.cluster_harness import ROOT, LocalCluster
 from tests.conftest import MODEL_NAME
@@ -126,18 +130,23 @@ class Timeline:
         return self.samples[-1].get(deployment, 0) if self.samples else 0
 
 
+#: The session's failure count when the cluster started (the last test keeps logs if it grew).
+FAILURES_BEFORE: list[int] = [0]
+
+
 @pytest.fixture(scope="module")
 def cluster(request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
     """The cluster with the app on it; stopped afterwards, its files kept only if something failed."""
     c = LocalCluster()
     failures, passed = request.session.testsfailed, False
+    FAILURES_BEFORE[:] = [failures]
     try:
         c.start(WORKERS, head_resources={"frontend": 4})
         c.serve_run(yaml.safe_load(CONFIG.read_text()))
         yield c
         passed = request.session.testsfailed == failures
     finally:
-        c.stop(keep_dir=not passed)
+        c.stop(keep_dir=not passed)  # a no-op after the last test's own stop
 
 
 def wait_for(pred: Any, timeout: float, what: str, period: float = 0.5) -> None:
@@ -240,3 +249,46 @@ def test_killing_a_cpu_worker_mid_stream_gives_clear_errors_then_service_recover
     except AssertionError as exc:
         raise AssertionError(f"{exc}: Egress on {egress_nodes}, survivor {survivor.node_id}, "
                              f"victim {victim.node_id}") from None
+
+
+#: The file a user's ``serve run`` / ``ray.init()`` reads when no address is given.
+DEFAULT_ADDRESS_FILE = Path(get_ray_address_file(None))
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _listening(port: int) -> bool:
+    """Whether something listens on ``port`` (TIME_WAIT connections of a closed server do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def test_a_stopped_cluster_leaves_nothing_behind(cluster: LocalCluster, request: pytest.FixtureRequest) -> None:
+    """Why: ``ray start`` records the cluster's GCS address in Ray's address file (a worker's
+    ``ray start --address 127.0.0.1:PORT`` too, resolved to the machine's own IP), and a plain
+    ``serve run serve_config.yaml`` (or ``ray.init()``) afterwards connects to whatever that file
+    names; once the test has killed the cluster, it waits forever for a dead GCS. Runs last: it stops
+    the module's cluster (keeping its logs if an earlier test here failed)."""
+    procs = [p for node in cluster.nodes for p in _tree(node.proc.pid)]
+    assert len(procs) >= 6, procs  # each node: `ray start`, raylet, agents; the head: GCS, dashboard
+    assert _listening(cluster.gcs_port) and _listening(cluster.dashboard_port)
+    keep = request.session.testsfailed > FAILURES_BEFORE[0]
+    cluster.stop(keep_dir=keep)
+    named = DEFAULT_ADDRESS_FILE.read_text().strip() if DEFAULT_ADDRESS_FILE.exists() else ""
+    assert not named.endswith(f":{cluster.gcs_port}"), f"{DEFAULT_ADDRESS_FILE} names the stopped cluster: {named}"
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    assert not alive, alive
+    assert not _listening(cluster.gcs_port) and not _listening(cluster.dashboard_port)
+    if not keep:
+        assert not Path(cluster.log_dir).exists(), sorted(p.name for p in Path(cluster.log_dir).iterdir())
