@@ -283,10 +283,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """Find, among the tests that will run, the last user of each app and of Ray."""
     last: dict[str, str] = {}
     for item in session.items:
-        used = SERVE_FIXTURES & set(getattr(item, "fixturenames", ()))
-        for fixture in used:
+        names = set(getattr(item, "fixturenames", ()))
+        for fixture in SERVE_FIXTURES & names:
             last[APP_FIXTURES[fixture]] = item.nodeid
-        if used:
+        if (SERVE_FIXTURES | {"serve_session"}) & names:
             last[""] = item.nodeid
     release: dict[str, list[str]] = {}
     for app, nodeid in last.items():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from ray import serve
 
@@ -17,6 +18,7 @@ class DirectoryDeployment:
     """One replica: the directory's state must be in one place. Restarts heal (see module doc)."""
 
     def __init__(self, watch_timeout_s: float = 10.0, report_ttl_s: float = 5.0) -> None:
+        refuse_more_than_one(serve.get_replica_context()._deployment_config)
         self.watch_timeout_s = watch_timeout_s
         self.live = LiveDirectory(owner_ttl_s=max(6 * watch_timeout_s, 30.0), report_ttl_s=report_ttl_s)
 
@@ -85,3 +87,24 @@ class DirectoryDeployment:
         """The smallest context length of the engines reporting (what every stage must enforce)."""
         lens = [r.max_model_len for r in self.live.engine_reports() if r.max_model_len]
         return min(lens) if lens else None
+
+
+class DirectoryReplicasError(ValueError):
+    """The Directory was configured to run more than one replica."""
+
+
+def refuse_more_than_one(config: Any) -> None:
+    """Refuse to start a Directory that may run beside another (``num_replicas`` above 1, or an
+    ``autoscaling_config`` allowing more): each replica would hold part of the live requests, and a
+    cancel by id that reaches the wrong one answers 404, or 200 while the stream runs on. Raised
+    from the replica's constructor, so ``serve run`` fails the deployment with this message; the
+    check sits here rather than in ``graph.py`` because ``serve run`` applies a config file's
+    ``deployments`` overrides after the builder has run."""
+    auto = config.autoscaling_config
+    most = auto.max_replicas if auto is not None else (config.num_replicas or 1)
+    if most > 1:
+        setting = f"autoscaling_config.max_replicas: {most}" if auto is not None else f"num_replicas: {most}"
+        raise DirectoryReplicasError(
+            f"the Directory deployment must run exactly one replica, but it is configured with {setting}. "
+            "Its state (which Ingress replica owns each live request) lives in one place; set "
+            "num_replicas: 1 and no autoscaling_config for Directory in serve_config.yaml.")

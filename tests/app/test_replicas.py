@@ -339,3 +339,23 @@ def test_an_abort_routed_past_its_draining_replica_is_forwarded_and_taken_there(
 def test_everything_is_free_afterwards(app: Any) -> None:
     reports = _wait_idle(app)
     assert len(reports) == 2
+
+
+def test_a_second_directory_replica_is_refused_at_deploy_time_with_a_clear_error(serve_session: str) -> None:
+    """The Directory's state lives in one place: asked for two replicas, the deployment fails with
+    a message naming the setting (not a cancel by id that later answers 404 or a false 200)."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    from stages.directory.deployment import DirectoryDeployment
+
+    try:
+        with pytest.raises(RuntimeError, match="two-directories failed"):
+            serve.run(DirectoryDeployment.options(num_replicas=2).bind(), name="two-directories",
+                      route_prefix=None)
+        app = serve.status().applications["two-directories"]
+        assert app.status == ApplicationStatus.DEPLOY_FAILED, app.status
+        message = app.deployments["Directory"].message
+        assert "must run exactly one replica" in message and "num_replicas: 2" in message, message
+    finally:
+        serve.delete("two-directories")
