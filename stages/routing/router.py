@@ -50,15 +50,24 @@ def engine_router_config(settings: RoutingSettings | None = None) -> RequestRout
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0)
 
 
+#: A replica is a request's cache home only if it holds at least this share of the prompt more than
+#: every other replica does: a conversation's history or a document is most of its prompt, a shared
+#: system prompt is not. Requests with one home share a submit call, and one call goes to one
+#: replica; were a system prompt cached on one replica alone enough, a burst of new conversations
+#: would land there in one call instead of being spread by load.
+HOME_MIN_SHARE = 0.5
+
+
 def cache_home(request: EngineRequest, views: PrefixViews = VIEWS) -> str | None:
-    """The replica that holds the most of ``request``'s prompt, when one holds more than the others
-    (``None`` when all hold the same, e.g. only a shared system prompt)."""
+    """The replica that holds at least :data:`HOME_MIN_SHARE` of ``request``'s prompt more than any
+    other, if one does (``None`` when they hold about the same, e.g. only a shared system prompt)."""
     hashes: dict[int, list[int]] = {}
     hits = {r: views.cached_tokens(r, request.prompt_token_ids, hashes) for r in views.replicas()}
     if len(hits) < 2:
         return None
     best = max(hits, key=hits.__getitem__)
-    return best if hits[best] > min(hits.values()) else None
+    runner_up = max(v for r, v in hits.items() if r != best)
+    return best if hits[best] - runner_up >= HOME_MIN_SHARE * len(request.prompt_token_ids) else None
 
 
 _spread = itertools.count()

@@ -113,6 +113,22 @@ def test_a_send_counts_before_the_next_report():
     assert router_module.cache_home(request("new", SYSTEM + [5] * 40), router.views) is None  # only the shared part
 
 
+def test_a_system_prompt_cached_on_one_replica_only_is_no_cache_home():
+    """After the first conversation, only its replica holds the shared system prompt. That must
+    not make it the home of every new conversation: requests with one home share a submit call,
+    so a burst of them would land on that replica in one call instead of being spread by load."""
+    router = engine_router()
+    a, b = engine_replica("a", cached=[SYSTEM]), engine_replica("b")
+    route(router, [a, b], AdmissionBatch([request("c0", SYSTEM + [9] * 8)]))  # refresh the views
+    new = [request(f"n{i}", SYSTEM + [200 + i] * 80) for i in range(4)]
+    assert [router_module.cache_home(r, router.views) for r in new] == [None] * 4
+    # A conversation whose history (most of its prompt) is on one replica has its home there.
+    history = request("h", SYSTEM + list(range(700, 800)))
+    route(router, [a, b], AdmissionBatch([history]))
+    later = request("h2", history.prompt_token_ids + [5] * 8)
+    assert router_module.cache_home(later, router.views) == history.route.replica
+
+
 def test_calls_routed_together_spread_by_load():
     """Serve confirms a send a round trip later: a burst of calls must not all pick one replica."""
     router = engine_router()
