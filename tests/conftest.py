@@ -4,8 +4,9 @@
   whose files live in a temp dir removed at the end (kept when a test failed).
 - Tests that use a Serve app get the ``serve`` marker; ``tests/unit`` may hold none of them.
 - Tests under ``tests/gpu`` get the ``gpu`` marker, and ``gpu`` tests skip where CUDA is missing.
-- Each app is deleted after the last test that uses it, and Ray stops after the last Serve test, so
-  the tests that follow (cluster, parity, unit) do not share two cores with idle replicas.
+- Ray stops after the last test that uses it, so the tests that follow (cluster, parity, unit) do
+  not share two cores with idle replicas. Apps are not deleted one by one before that: deleting
+  an app reconfigures the HAProxy edge, which drops other apps' open connections.
 - The session fails if it leaves a dead cluster address or a Ray process behind (tests/leftovers.py).
 """
 
@@ -238,10 +239,8 @@ def serve_app_tools(serve_session: str) -> Iterator[ServeApp]:
     yield ServeApp(url=url, otlp=None, args=args, session_dir=serve_session, name="tools")
 
 
-#: Fixtures that start a real Serve app, and the Serve application each deploys.
-APP_FIXTURES = {"serve_app": "lifecycle", "serve_app_replicas": "replicas", "fault_app": "faults",
-                "serve_app_guarded": "guarded", "serve_app_tools": "tools"}
-SERVE_FIXTURES = set(APP_FIXTURES)
+#: Fixtures that start a real Serve app.
+SERVE_FIXTURES = {"serve_app", "serve_app_replicas", "fault_app", "serve_app_guarded", "serve_app_tools"}
 TESTS = Path(__file__).resolve().parent
 
 
@@ -275,48 +274,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 _ADDRESS_BEFORE = pytest.StashKey[str | None]()
-#: nodeid -> the apps to delete once that test's teardown is done ("" stands for Ray itself).
-_RELEASE_AFTER = pytest.StashKey[dict[str, list[str]]]()
+#: The id of the last test that uses Ray (a Serve app or the session itself).
+_LAST_RAY_TEST = pytest.StashKey[str]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Find, among the tests that will run, the last user of each app and of Ray."""
-    last: dict[str, str] = {}
-    for item in session.items:
-        names = set(getattr(item, "fixturenames", ()))
-        for fixture in SERVE_FIXTURES & names:
-            last[APP_FIXTURES[fixture]] = item.nodeid
-        if (SERVE_FIXTURES | {"serve_session"}) & names:
-            last[""] = item.nodeid
-    release: dict[str, list[str]] = {}
-    for app, nodeid in last.items():
-        release.setdefault(nodeid, []).append(app)
-    session.config.stash[_RELEASE_AFTER] = release
+    """Find, among the tests that will run, the last that uses Ray."""
+    ray_fixtures = SERVE_FIXTURES | {"serve_session"}
+    users = [item.nodeid for item in session.items if ray_fixtures & set(getattr(item, "fixturenames", ()))]
+    session.config.stash[_LAST_RAY_TEST] = users[-1] if users else ""
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """After the last test that uses an app (its module fixtures torn down too), delete the app;
-    after the last that uses any, stop Ray. The session fixtures' own finalizers then find nothing
-    left to do."""
+    """After the last test that uses Ray (its module fixtures torn down too), stop it; the session
+    fixture's own finalizer then finds nothing left to do."""
     yield
-    apps = item.config.stash.get(_RELEASE_AFTER, {}).get(item.nodeid, [])
-    if not apps:
-        return
-    import ray
-    from ray import serve
-
-    if not ray.is_initialized():
-        return
-    for app in apps:
-        if app:
-            serve.delete(app, _blocking=False)
-    if "" in apps:
+    if item.nodeid == item.config.stash.get(_LAST_RAY_TEST, None):
         stop_app(keep_dir=item.session.testsfailed > 0)
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config.stash[_ADDRESS_BEFORE] = leftovers.read_address(leftovers.default_address_file())
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

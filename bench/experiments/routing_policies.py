@@ -14,6 +14,12 @@ that commit, with its own router and no ``routing`` key). Each round serves ever
 turn (the order rotates between rounds), runs ``python -m bench multiturn``, ``docs`` and ``load``
 (distinct prompts: nothing to share beyond the template) against it, and stops it. The summary
 (``summary.md``) gives, per configuration, the median over rounds of each load's figures.
+
+``--cluster`` serves each configuration on a multi-node Ray cluster instead
+(``tests/cluster_harness.py``): a head with the Ingress and Directory, a CPU worker with
+Preprocess and Egress, and each Engine replica on a node of its own (``accelerator`` nodes, one
+core each). The nodes still share this machine's cores; what changes is that every hop between
+stages and every routing report crosses nodes, as in a real cluster.
 """
 
 from __future__ import annotations
@@ -56,6 +62,46 @@ def config(tree: Path, policy: str | None, dest: Path, prefill_threads: int | No
     return dest
 
 
+#: The cluster's nodes: name → (num_cpus, custom resources); the head has ``frontend``.
+CLUSTER_NODES = {"cpu": (1, {"cpu_stage": 4}), "accel-a": (1, {"accelerator": 1}), "accel-b": (1, {"accelerator": 1})}
+#: Where each deployment goes on the cluster.
+CLUSTER_PLACEMENT = {"Ingress": {"frontend": 1}, "Directory": {"frontend": 0.1}, "Preprocess": {"cpu_stage": 1},
+                     "Egress": {"cpu_stage": 1}, "Engine": {"accelerator": 1}}
+
+
+def serve_on_cluster(name: str, out: Path, prefill_threads: int | None) -> tuple[Any, Path | None]:
+    """Start a cluster and deploy the configuration ``name`` on it; return the cluster (its
+    ``url`` serves) and the worktree to remove after. A ``commit:<ref>`` configuration's nodes
+    import that worktree's code (``PYTHONPATH``)."""
+    sys.path.insert(0, str(ROOT))
+    from tests import cluster_harness
+
+    tree, cwd, policy = None, ROOT, name
+    if name.startswith("commit:"):
+        tree = Path(tempfile.mkdtemp(prefix="routing-ab-"))
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(tree), name[7:]], check=True)
+        cwd, policy = tree, None
+    cluster_harness.ENV["PYTHONPATH"] = str(cwd)
+    path = config(cwd, policy, out / f"serve_{name.replace(':', '_')}.yaml", prefill_threads)
+    cfg = yaml.safe_load(path.read_text())
+    for d in cfg["applications"][0]["deployments"]:
+        d["ray_actor_options"] = {**d.get("ray_actor_options", {}), "resources": CLUSTER_PLACEMENT[d["name"]]}
+        if d["name"] == "Engine":
+            d["ray_actor_options"]["num_cpus"] = 1
+    cfg["proxy_location"] = "HeadOnly"
+    cluster = cluster_harness.LocalCluster()
+    try:
+        cluster.start(CLUSTER_NODES, head_resources={"frontend": 4})
+        cluster.serve_run(cfg)
+        engines = {r["node_id"] for r in cluster.replicas().get("Engine", [])}
+        if len(engines) != 2:
+            raise RuntimeError(f"the 2 engines are not on 2 nodes: {engines}")
+    except BaseException:
+        cluster.stop(keep_dir=True)
+        raise
+    return cluster, tree
+
+
 def serve(name: str, out: Path, prefill_threads: int | None = None) -> tuple[subprocess.Popen[bytes], Path | None]:
     """Start the configuration ``name``; return the process and the worktree to remove after."""
     tree = None
@@ -87,7 +133,12 @@ def serve(name: str, out: Path, prefill_threads: int | None = None) -> tuple[sub
     raise RuntimeError(f"{name} did not become healthy")
 
 
-def stop(proc: subprocess.Popen[bytes], tree: Path | None) -> None:
+def stop(proc: Any, tree: Path | None) -> None:
+    if not isinstance(proc, subprocess.Popen):  # a cluster
+        proc.stop()
+        if tree is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
+        return
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(15)
@@ -130,6 +181,7 @@ def loads(a: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def main() -> int:
+    global URL
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default="cache_aware,power_of_two,round_robin")
     p.add_argument("--rounds", type=int, default=2)
@@ -141,6 +193,7 @@ def main() -> int:
     p.add_argument("--doc-tokens", type=int, default=1000)
     p.add_argument("--streams", type=int, default=16, help="concurrency of the no-shared-prefix load")
     p.add_argument("--only", default="multiturn,docs,load", help="which loads to run")
+    p.add_argument("--cluster", action="store_true", help="serve on a multi-node Ray cluster, each engine on a node")
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="engine.prefill_threads (1: each engine computes on one core, as if it had its own "
                         "device; the default 2 lets one engine use both cores of a 2-core machine)")
@@ -152,7 +205,12 @@ def main() -> int:
     for r in range(a.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
-            proc, tree = serve(name, out, a.prefill_threads)
+            if a.cluster:
+                proc, tree = serve_on_cluster(name, out, a.prefill_threads)
+                URL = proc.url
+            else:
+                proc, tree = serve(name, out, a.prefill_threads)
+            commands = {k: v for k, v in loads(a).items() if k in a.only.split(",")}
             try:
                 for load, args in commands.items():
                     dest = out / f"round{r}" / name.replace(":", "_") / load

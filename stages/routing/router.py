@@ -28,7 +28,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from stages.config import RoutingSettings
-from stages.routing.load import ReplicaLoad, SentSinceReport, start_cost
+from stages.routing.load import BUSY_WEIGHT, ReplicaLoad, SentSinceReport, start_cost
 from stages.routing.policy import Candidate, Policy, rank
 from stages.routing.prefix import PrefixViews
 from stages.transport.messages import AbortRequest, AdmissionBatch, ChannelAttach, EngineRequest, RouteNote
@@ -50,24 +50,30 @@ def engine_router_config(settings: RoutingSettings | None = None) -> RequestRout
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0)
 
 
-#: A replica is a request's cache home only if it holds at least this share of the prompt more than
-#: every other replica does: a conversation's history or a document is most of its prompt, a shared
-#: system prompt is not. Requests with one home share a submit call, and one call goes to one
-#: replica; were a system prompt cached on one replica alone enough, a burst of new conversations
-#: would land there in one call instead of being spread by load.
-HOME_MIN_SHARE = 0.5
+def home_min_tokens(prefill_tokens_per_request: float) -> float:
+    """How many more cached tokens than anywhere else make a replica a request's cache home: what
+    one running request costs in the router's score (``BUSY_WEIGHT`` requests, each worth
+    ``prefill_tokens_per_request`` tokens of prefill). A smaller lead, such as the chat template's
+    system prompt cached on one replica only, never outweighs a single request of load, so the
+    router would spread such requests by load; grouping them by that home would instead put a
+    burst of new conversations into one submit call, to one replica."""
+    return BUSY_WEIGHT * prefill_tokens_per_request
 
 
-def cache_home(request: EngineRequest, views: PrefixViews = VIEWS) -> str | None:
-    """The replica that holds at least :data:`HOME_MIN_SHARE` of ``request``'s prompt more than any
-    other, if one does (``None`` when they hold about the same, e.g. only a shared system prompt)."""
+#: Set from the Engine router's config when it starts (it shares this process with the admission).
+_home_lead = home_min_tokens(RoutingSettings().prefill_tokens_per_request)
+
+
+def cache_home(request: EngineRequest, views: PrefixViews = VIEWS, min_lead: float | None = None) -> str | None:
+    """The replica that holds at least ``min_lead`` (:func:`home_min_tokens`) more of
+    ``request``'s prompt than any other, if one does."""
     hashes: dict[int, list[int]] = {}
     hits = {r: views.cached_tokens(r, request.prompt_token_ids, hashes) for r in views.replicas()}
     if len(hits) < 2:
         return None
     best = max(hits, key=hits.__getitem__)
     runner_up = max(v for r, v in hits.items() if r != best)
-    return best if hits[best] - runner_up >= HOME_MIN_SHARE * len(request.prompt_token_ids) else None
+    return best if hits[best] - runner_up >= (_home_lead if min_lead is None else min_lead) else None
 
 
 _spread = itertools.count()
@@ -89,7 +95,9 @@ class EngineRouter(RequestRouter):
 
     def initialize_state(self, policy: str = Policy.CACHE_AWARE.value, prefill_tokens_per_request: int = 256,
                          **_: Any) -> None:
+        global _home_lead
         self.policy = Policy(policy)
+        _home_lead = home_min_tokens(prefill_tokens_per_request)
         #: The process's picture of the engines' caches (shared with the admission batching).
         self.views = VIEWS
         self.prefill_tokens_per_request = prefill_tokens_per_request

@@ -68,18 +68,26 @@ def test_a_conversations_later_turns_go_where_its_history_is_cached(serve_app_re
             list(pool.map(lambda c: one(c, t), range(CONVERSATIONS)))  # noqa: B023 - t is current
             time.sleep(THINK_S)
 
+    stale = []
     for c, turns in enumerate(records):
         for t in range(1, TURNS):
             prev, now = turns[t - 1], turns[t]
             route = now["route"]
             assert route["policy"] == "cache_aware" and route["alternative"], route
-            # The same engine as the turn before, which had the conversation so far cached ...
-            assert route["replica"] == prev["route"]["replica"], (c, t, prev["route"], route)
-            # ... as the router expected, and as the engine found: the previous prompt at least,
-            # to within a block (the last token of a prompt is always computed).
+            if route["replica"] != prev["route"]["replica"]:
+                # Only a router that had not yet seen the history anywhere may send a turn away
+                # from it (its view is a summary at most a report old); one that knew must follow.
+                assert route["expected_cached_tokens"] < 64 and route["alternative_cached_tokens"] < 64, (c, t, route)
+                stale.append((c, t, route))
+                continue
+            # The same engine as the turn before, which had the conversation so far cached, as
+            # the router expected and the engine found: the previous prompt at least, to within a
+            # block (the last token of a prompt is always computed).
             assert route["expected_cached_tokens"] >= prev["prompt_tokens"] - 16, (c, t, route, prev)
             assert now["cached_tokens"] >= prev["prompt_tokens"] - 16, (c, t, now, prev)
             # The other replica held only what every conversation shares.
             assert route["alternative_cached_tokens"] < 64, route
+    # Under a loaded CI machine a routing report can arrive late; once, not as a rule.
+    assert len(stale) <= 1, stale
     # New conversations arriving together were spread over both engines by load.
     assert len({turns[0]["route"]["replica"] for turns in records}) == 2, [r[0]["route"] for r in records]
