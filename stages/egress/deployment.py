@@ -19,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from stages.config import TracingSettings
 from stages.egress.egress import Egress, EngineStream
 from stages.errors import EngineUnavailableError
+from stages.heap import start_trimmer
 from stages.routing.router import placement_key
 from stages.telemetry import get_tracer, span_from_context
 from stages.transport.consumer import Consumer, admission_key
@@ -50,6 +51,7 @@ class EgressDeployment:
     async def __init__(self, engine: Any, model: str, tracing: TracingSettings | None = None,
                        directory: Any = None) -> None:
         from stages.model_info import load_cpu_tokenizer
+        start_trimmer()
         from stages.telemetry import configure_tracing
 
         configure_tracing(tracing, component="egress")

@@ -50,6 +50,7 @@ from stages.errors import (
     PayloadTooLargeError,
     RequestTimeoutError,
 )
+from stages.heap import start_trimmer
 from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
 from stages.ingress.http_errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
@@ -114,6 +115,7 @@ class Ingress:
                        directory: Any = None) -> None:
         """``app_config``: the whole validated config (the Ingress answers for the app: model names,
         limits, keys, inline preparation)."""
+        start_trimmer()
         self.cfg = app_config
         configure_logging()
         if self.cfg.http.request_log_file:
