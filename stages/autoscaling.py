@@ -140,3 +140,10 @@ def stage_policy(ctx: Any) -> tuple[float, dict[str, Any]]:
                           for name in (ATTACHES, ADMITTED))
     requests = max(float(ctx.total_num_requests) - attaches, 0.0) + admitted
     return requests / ctx.config.get_target_ongoing_requests(), {}
+
+
+def most_replicas(config: Any) -> int:
+    """The most replicas a deployment may run under its Serve ``DeploymentConfig``: its
+    autoscaling ``max_replicas``, else its ``num_replicas``."""
+    auto = config.autoscaling_config
+    return auto.max_replicas if auto is not None else (config.num_replicas or 1)

@@ -45,14 +45,21 @@ PY = str(ROOT / ".venv" / "bin" / "python")
 URL = "http://127.0.0.1:8000"
 
 
+#: ``engine`` keys set in every configuration (``--engine-set KEY=YAML``).
+ENGINE_SET: dict[str, Any] = {}
+
+
 def config(tree: Path, policy: str | None, dest: Path, prefill_threads: int | None) -> Path:
     """``tree``'s serve_config.yaml with the Engine at 2 replicas and ``routing.policy`` set."""
     cfg = yaml.safe_load((tree / "serve_config.yaml").read_text())
     app = cfg["applications"][0]
     if prefill_threads is not None:
         app["args"]["engine"]["prefill_threads"] = prefill_threads
+    app["args"]["engine"].update(ENGINE_SET)
     if policy is not None:
         app["args"]["routing"] = {"policy": policy}
+    # Each request's log line (TTFT in parts: prep, hops, queue, prefill), beside the results.
+    app["args"].setdefault("http", {})["request_log_file"] = str(dest.with_suffix(".requests.jsonl"))
     for d in app["deployments"]:
         if d["name"] == "Engine":
             d.pop("autoscaling_config", None)
@@ -197,7 +204,12 @@ def main() -> int:
     p.add_argument("--prefill-threads", type=int, default=None,
                    help="engine.prefill_threads (1: each engine computes on one core, as if it had its own "
                         "device; the default 2 lets one engine use both cores of a 2-core machine)")
+    p.add_argument("--engine-set", action="append", default=[], metavar="KEY=YAML",
+                   help="an engine key for every configuration, e.g. step_thread_nice=null")
     a = p.parse_args()
+    for item in a.engine_set:
+        key, _, value = item.partition("=")
+        ENGINE_SET[key] = yaml.safe_load(value)
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     names = a.policies.split(",")

@@ -8,6 +8,7 @@ from typing import Any
 
 from ray import serve
 
+from stages.autoscaling import most_replicas
 from stages.directory.directory import LiveDirectory
 from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, WatchReply
 
@@ -100,10 +101,10 @@ def refuse_more_than_one(config: Any) -> None:
     from the replica's constructor, so ``serve run`` fails the deployment with this message; the
     check sits here rather than in ``graph.py`` because ``serve run`` applies a config file's
     ``deployments`` overrides after the builder has run."""
-    auto = config.autoscaling_config
-    most = auto.max_replicas if auto is not None else (config.num_replicas or 1)
+    most = most_replicas(config)
     if most > 1:
-        setting = f"autoscaling_config.max_replicas: {most}" if auto is not None else f"num_replicas: {most}"
+        auto = config.autoscaling_config is not None
+        setting = f"autoscaling_config.max_replicas: {most}" if auto else f"num_replicas: {most}"
         raise DirectoryReplicasError(
             f"the Directory deployment must run exactly one replica, but it is configured with {setting}. "
             "Its state (which Ingress replica owns each live request) lives in one place; set "

@@ -28,11 +28,13 @@ from typing import Any
 import ray
 from ray import serve
 
+from stages.autoscaling import most_replicas
 from stages.config import EngineSettings, TracingSettings
 from stages.engine.core.errors import EngineDeadError
 from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.driver.interface import build_driver
 from stages.engine.driver.messages import LoopSpec
+from stages.engine.driver.priority import step_thread_nice
 from stages.routing.router import engine_router_config
 from stages.transport.channel import merge_channel_items
 from stages.transport.liveness import own_replica_id
@@ -65,6 +67,11 @@ class EngineDeployment:
         configure_logging()
         configure_tracing(tracing, component="engine")
         self.settings = engine if engine is not None else EngineSettings()
+        replicas = most_replicas(serve.get_replica_context()._deployment_config)
+        nice = step_thread_nice(self.settings.step_thread_nice, replicas)
+        if nice != self.settings.step_thread_nice:
+            logger.info("step thread left at Ray's priority: this deployment may run %d engine replicas", replicas)
+            self.settings = self.settings.model_copy(update={"step_thread_nice": nice})
         self.replica = own_replica_id()
         # device=auto resolves where the model loads: with a core process, this process never imports torch.
         spec = LoopSpec(model, self.settings, replica=self.replica, tracing=tracing)

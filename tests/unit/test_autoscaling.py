@@ -107,3 +107,12 @@ def test_stage_policy_does_not_count_channel_attaches_as_load():
     idle = _stage_ctx(2, 2.0, {"egress-1": 1.0, "egress-2": 1.0}, config)
     assert stage_policy(idle)[0] == 0.0
     assert _apply_autoscaling_config(stage_policy)(idle)[0] == 1
+
+
+def test_most_replicas_reads_autoscaling_max_else_num_replicas() -> None:
+    from ray.serve._private.config import DeploymentConfig
+
+    from stages.autoscaling import most_replicas
+
+    assert most_replicas(DeploymentConfig(num_replicas=3)) == 3
+    assert most_replicas(DeploymentConfig(autoscaling_config={"min_replicas": 1, "max_replicas": 4})) == 4

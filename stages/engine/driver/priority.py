@@ -10,6 +10,12 @@ every core the engine does not use.
 
 Only where the engine leaves a core for everything else (its threads fewer than the machine's
 cores): on a one-core machine a busy engine would starve the stages that deliver its tokens.
+The rule is per machine, but each engine sees only itself: two engine replicas that each leave a
+core free can together take every core, at a priority above the stages that deliver their tokens
+(both engines then prefill slower and every token waits in the stages). So an engine deployment
+that may run more than one replica leaves its step threads at Ray's priority
+(:func:`step_thread_nice`).
+
 Lowering a nice value needs ``CAP_SYS_NICE`` (root, or a container granted it); without it the
 thread stays as it was and the log says so.
 """
@@ -21,6 +27,12 @@ import os
 import threading
 
 logger = logging.getLogger(__name__)
+
+
+def step_thread_nice(configured: int | None, engine_replicas: int) -> int | None:
+    """The step thread's nice value for an engine deployment that may run ``engine_replicas``
+    replicas: the configured one for a sole replica, none (leave Ray's) for more."""
+    return configured if engine_replicas <= 1 else None
 
 
 def raise_thread_priority(nice: int | None, engine_threads: int) -> str:

@@ -53,3 +53,12 @@ def test_raises_only_the_calling_thread():
     said, nice = in_thread(15, lambda: raise_thread_priority(2, 1))
     assert nice == 2 and "nice 2 (was 15)" in said
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before, "other threads keep theirs"
+
+
+def test_an_engine_deployment_of_more_than_one_replica_keeps_rays_priority() -> None:
+    """Two engines that each leave a core free can together hold every core above the stages."""
+    from stages.engine.driver.priority import step_thread_nice
+
+    assert step_thread_nice(0, 1) == 0
+    assert step_thread_nice(0, 2) is None
+    assert step_thread_nice(None, 1) is None
