@@ -28,6 +28,9 @@ INTER_DEPLOYMENT_MESSAGE_BYTES = int(os.environ.get("RAY_SERVE_REPLICA_GRPC_MAX_
 #: The largest ``http.max_body_bytes``: the request Ingress sends Preprocess carries the decoded body
 #: (never larger than the JSON) plus a few KB of fields, so this leaves that message room to spare.
 MAX_BODY_BYTES = INTER_DEPLOYMENT_MESSAGE_BYTES - 512 * 1024
+#: Longest grace period a resumable stream may ask for (``X-Resumable``, ``http.resume_grace_s``);
+#: an Egress replica's drain waits at most this long for its kept streams.
+MAX_RESUME_GRACE_S = 600.0
 
 
 def valid_api_key(key: str) -> bool:
@@ -134,6 +137,11 @@ class HttpSettings(_Section):
     auth_exempt_paths: tuple[AuthExemptPath, ...] = ("/health", "/metrics")
     #: Most requests one key may have in flight on one Ingress replica (0: no limit); beyond: 429.
     max_concurrent_requests_per_key: int = Field(0, ge=0)
+    #: Seconds a streamed request's events are kept for a reconnect after its client leaves, when
+    #: the request does not say (``X-Resumable``); 0: not resumable, abort at once.
+    resume_grace_s: float = Field(0.0, ge=0, le=MAX_RESUME_GRACE_S)
+    #: Per resumable stream: bytes of events kept; past it the stream is no longer resumable.
+    resume_max_bytes: int = Field(1024 * 1024, ge=1024)
 
     @field_validator("api_keys")
     @classmethod

@@ -31,6 +31,8 @@ __all__ = [
     "InternalServerError",
     "RequestCancelledError",
     "SlowReaderError",
+    "ConflictError",
+    "EventsDroppedError",
 ]
 
 
@@ -252,3 +254,24 @@ class SlowReaderError(ServeError):
                          f"(limit {limit_bytes}), so the request was aborted.")
         self.buffered_bytes = buffered_bytes
         self.limit_bytes = limit_bytes
+
+
+class ConflictError(ServeError):
+    """409: the request is in a state that forbids this, e.g. a reconnect to a stream that still
+    has a connection attached, or a client label that names several live requests."""
+
+    status_code = 409
+    error_type = "invalid_request_error"
+    default_code = "conflict"
+
+
+class EventsDroppedError(ServeError):
+    """A resumable stream's kept events passed ``http.resume_max_bytes`` while nobody was attached,
+    so a reconnect cannot get them all. Only ever sent in-band, before ``[DONE]``; 410 is what the
+    log records."""
+
+    status_code = 410
+    error_type = "events_dropped"
+    default_code = "events_dropped"
+    default_message = ("The stream's kept events passed the server's limit (http.resume_max_bytes) while "
+                       "the client was away, so they were dropped and the request was aborted.")

@@ -261,3 +261,36 @@ class _EngineCollector:
                                       labels=names)
             h.add_metric(m, [(str(b), c) for b, c in buckets], sum_value=s.get("abort_latency_sum", 0.0))
             yield h
+
+
+def resume_exposition(store: Any) -> str:
+    """An Egress replica's resumable-stream series (:class:`stages.egress.resume.ResumeStore`),
+    Prometheus text; it reports them to the directory as an Ingress replica does its own."""
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(_ResumeCollector(store))
+    return generate_latest(reg).decode()
+
+
+class _ResumeCollector:
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def collect(self) -> Iterable[Any]:
+        s = self.store
+        yield GaugeMetricFamily(PREFIX + "resumable_streams", "Resumable streams whose events are kept.",
+                                value=len(s))
+        yield GaugeMetricFamily(PREFIX + "resumable_streams_detached",
+                                "Kept streams with no client attached (within their grace period).",
+                                value=s.detached())
+        yield GaugeMetricFamily(PREFIX + "resume_kept_bytes", "Bytes of events kept for reconnects.",
+                                value=s.nbytes)
+        yield CounterMetricFamily(PREFIX + "resumable_requests", "Streams that asked to be resumable.",
+                                  value=s.opened)
+        yield CounterMetricFamily(PREFIX + "resume_reconnects", "Reconnects that took a kept stream.",
+                                  value=s.reconnects)
+        yield CounterMetricFamily(PREFIX + "resume_replayed_events", "Kept events sent again on a reconnect.",
+                                  value=s.replayed)
+        yield CounterMetricFamily(PREFIX + "resume_expired", "Detached streams nobody reconnected to in time.",
+                                  value=s.expired)
+        yield CounterMetricFamily(PREFIX + "resume_dropped", "Streams whose kept events passed the byte cap.",
+                                  value=s.dropped)

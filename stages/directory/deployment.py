@@ -10,7 +10,7 @@ from ray import serve
 
 from stages.autoscaling import most_replicas
 from stages.directory.directory import LiveDirectory
-from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, WatchReply
+from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, ResumeLookup, WatchReply
 
 
 @serve.deployment(name="Directory", num_replicas=1, max_ongoing_requests=4096,
@@ -67,7 +67,23 @@ class DirectoryDeployment:
         return self.live.num_forwarded()
 
     async def report_ingress(self, owner: str, metrics_text: str) -> None:
+        """A replica's own metrics text (Ingress, and Egress for its kept streams); one that stops
+        reporting is forgotten with the owners that stop watching."""
+        self.live._touch(owner)
         self.live.ingress_metrics[owner] = metrics_text
+
+    async def keep(self, entry: LiveEntry, seconds: float) -> None:
+        """An Egress replica keeps a detached resumable stream (see :meth:`LiveDirectory.keep`)."""
+        self.live.keep(entry, seconds)
+
+    async def unkeep(self, request_id: str) -> None:
+        self.live.unkeep(request_id)
+
+    async def resume_lookup(self, key: str, api_key_id: str | None = None) -> ResumeLookup:
+        return self.live.resume_lookup(key, api_key_id)
+
+    async def num_kept(self) -> int:
+        return self.live.num_kept()
 
     async def metrics_snapshot(self) -> tuple[dict[str, str], list[EngineReport]]:
         """Every Ingress replica's metrics text and every engine's latest report."""

@@ -20,6 +20,11 @@ Design (built on Ray Serve itself: one small deployment, called through handles)
   forwards it here (``forward_abort``), and the named replica takes it within one report interval:
   an engine in the reply to its ``report``, an Egress replica by ``take_aborts``. Forwarded ids for
   a replica that never asks (it died, and its requests with it) expire after ``abort_ttl_s``.
+- **Kept streams.** A resumable stream whose client left is kept by its Egress replica for a grace
+  period; that replica tells the directory (``keep``, which replaces the Ingress's entry, and
+  ``unkeep`` when a client takes it again or it expires), so a reconnect on any Ingress replica
+  finds the replica holding its events (``resume_lookup``). A kept entry also expires here on its
+  own, a little after its grace period, in case its replica died.
 - **Self-healing.** An owner that has not watched for ``owner_ttl_s`` is dead; its entries go. A
   directory that restarted (and lost its state) answers the next ``watch`` with ``resync``, and the
   owner sends its whole list again. Engine reports older than ``report_ttl_s`` count as gone.
@@ -35,7 +40,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from stages.transport.messages import AbortRequest, EngineReport, LiveEntry
+from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, ResumeLookup
 
 #: An engine replica that missed this many of its reports in a row counts as gone ...
 MISSED_REPORTS = 8
@@ -45,6 +50,50 @@ MIN_REPORT_TTL_S = 3.0
 ABORT_TTL_S = 300.0
 #: Forwarded ids kept per replica at most (oldest dropped): a bound, not a limit ever expected to bind.
 MAX_FORWARDED_PER_REPLICA = 4096
+
+
+#: Seconds a kept entry outlives its grace period here (its Egress replica normally removes it).
+KEPT_MARGIN_S = 5.0
+
+
+class _Index:
+    """Entries by server id, response id and client label."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, LiveEntry] = {}
+        self._by_response: dict[str, str] = {}
+        self._by_label: dict[str, set[str]] = defaultdict(set)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def add(self, entry: LiveEntry) -> None:
+        self.remove(entry.request_id)
+        self.entries[entry.request_id] = entry
+        self._by_response[entry.response_id] = entry.request_id
+        if entry.client_request_id:
+            self._by_label[entry.client_request_id].add(entry.request_id)
+
+    def remove(self, rid: str) -> LiveEntry | None:
+        entry = self.entries.pop(rid, None)
+        if entry is None:
+            return None
+        self._by_response.pop(entry.response_id, None)
+        if entry.client_request_id:
+            ids = self._by_label.get(entry.client_request_id)
+            if ids is not None:
+                ids.discard(rid)
+                if not ids:
+                    del self._by_label[entry.client_request_id]
+        return entry
+
+    def find(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
+        """A response id or minted id names exactly one entry; a client label every one carrying
+        it. With API keys on, only the creating key's."""
+        rid = self._by_response.get(key) or (key if key in self.entries else None)
+        ids = [rid] if rid is not None else sorted(self._by_label.get(key, ()))
+        found = [self.entries[i] for i in ids]
+        return [e for e in found if e.api_key_id is None or e.api_key_id == api_key_id]
 
 
 @dataclass
@@ -63,9 +112,11 @@ class LiveDirectory:
         self.abort_ttl_s = abort_ttl_s
         #: replica → {request id: monotonic time forwarded}: aborts that missed their replica.
         self._forwarded: dict[str, dict[str, float]] = {}
-        self.entries: dict[str, LiveEntry] = {}
-        self._by_response: dict[str, str] = {}
-        self._by_label: dict[str, set[str]] = defaultdict(set)
+        self._live = _Index()
+        #: Detached resumable streams (owner: the Egress replica keeping their events), and when
+        #: each entry goes if its replica does not remove it.
+        self._kept = _Index()
+        self._kept_until: dict[str, float] = {}
         self._owners: dict[str, _Owner] = {}
         #: replica → (report, monotonic time received)
         self._reports: dict[str, tuple[EngineReport, float]] = {}
@@ -110,6 +161,8 @@ class LiveDirectory:
                 self._remove(rid)
         for replica in [r for r, (report, at) in self._reports.items() if now - at > self._report_ttl(report)]:
             del self._reports[replica]
+        for rid in [rid for rid, until in self._kept_until.items() if now > until]:
+            self.unkeep(rid)
         for replica, ids in list(self._forwarded.items()):
             for rid in [rid for rid, at in ids.items() if now - at > self.abort_ttl_s]:
                 del ids[rid]
@@ -124,32 +177,44 @@ class LiveDirectory:
             return self.report_ttl_s
         return min(self.report_ttl_s, max(MISSED_REPORTS * report.report_interval_s, MIN_REPORT_TTL_S))
 
+    @property
+    def entries(self) -> dict[str, LiveEntry]:
+        """Live requests with a connection, by server id."""
+        return self._live.entries
+
     def _add(self, entry: LiveEntry) -> None:
-        self.entries[entry.request_id] = entry
-        self._by_response[entry.response_id] = entry.request_id
-        if entry.client_request_id:
-            self._by_label[entry.client_request_id].add(entry.request_id)
+        self._live.add(entry)
 
     def _remove(self, rid: str) -> None:
-        entry = self.entries.pop(rid, None)
-        if entry is None:
-            return
-        self._by_response.pop(entry.response_id, None)
-        if entry.client_request_id:
-            ids = self._by_label.get(entry.client_request_id)
-            if ids is not None:
-                ids.discard(rid)
-                if not ids:
-                    del self._by_label[entry.client_request_id]
+        self._live.remove(rid)
 
     # -- cancel --------------------------------------------------------------------------------------
     def find(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
         """Live requests named by ``key``: a response id or minted id names exactly one; a client
         label names every live request carrying it. With API keys on, only the creating key's."""
-        rid = self._by_response.get(key) or (key if key in self.entries else None)
-        ids = [rid] if rid is not None else sorted(self._by_label.get(key, ()))
-        found = [self.entries[i] for i in ids]
-        return [e for e in found if e.api_key_id is None or e.api_key_id == api_key_id]
+        return self._live.find(key, api_key_id)
+
+    # -- kept (resumable) streams ----------------------------------------------------------------------
+    def keep(self, entry: LiveEntry, seconds: float, now: float | None = None) -> None:
+        """A stream's client left and ``entry.owner`` (an Egress replica) keeps it for ``seconds``:
+        it is found by a reconnect, no longer by a cancel (nobody holds its connection)."""
+        now = time.monotonic() if now is None else now
+        self._live.remove(entry.request_id)
+        self._kept.add(entry)
+        self._kept_until[entry.request_id] = now + seconds + KEPT_MARGIN_S
+
+    def unkeep(self, rid: str) -> None:
+        """A client took the stream again, or it expired."""
+        self._kept.remove(rid)
+        self._kept_until.pop(rid, None)
+
+    def num_kept(self) -> int:
+        return len(self._kept)
+
+    def resume_lookup(self, key: str, api_key_id: str | None = None) -> ResumeLookup:
+        """What ``key`` names for a reconnect: kept streams, and live ones still attached."""
+        self.prune()
+        return ResumeLookup(kept=self._kept.find(key, api_key_id), attached=len(self._live.find(key, api_key_id)))
 
     def cancel(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
         """Post a cancel to the owner of every request ``key`` names; returns them."""

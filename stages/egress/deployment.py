@@ -5,10 +5,15 @@ producer (jobs admitted in batches by ``submit``, frames through each Ingress re
 ``attach``, ended early by ``abort``), towards the engine a consumer (each job's engine request
 sent and read back through :class:`~stages.transport.consumer.Consumer`). Closing a job early
 closes its engine call, which aborts the request in the engine.
+
+It also keeps the events of resumable streams (:mod:`stages.egress.resume`): ``detach`` when their
+client leaves, ``resume`` when one reconnects through any Ingress replica; the directory indexes
+the detached ones so that a reconnect finds this replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Hashable
 from typing import Any
@@ -16,12 +21,14 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from stages.config import TracingSettings
+from stages.config import MAX_RESUME_GRACE_S, TracingSettings
 from stages.egress.egress import Egress, EngineStream
-from stages.errors import EngineUnavailableError
+from stages.egress.resume import ResumeStore, event_id
+from stages.errors import EngineUnavailableError, EventsDroppedError
 from stages.heap import start_trimmer
 from stages.routing.router import placement_key
 from stages.telemetry import get_tracer, span_from_context
+from stages.transport.admission import fire_and_forget
 from stages.transport.consumer import Consumer, admission_key
 from stages.transport.liveness import own_actor_name, own_replica_id
 from stages.transport.messages import (
@@ -30,8 +37,13 @@ from stages.transport.messages import (
     AdmissionBatch,
     ChannelAttach,
     ChannelBatch,
+    DetachRequest,
     EngineRequest,
     GenerationJob,
+    LiveEntry,
+    ResumeRequest,
+    ResumeStart,
+    RoutedError,
     StreamFrame,
     StreamStart,
     StreamSummary,
@@ -41,7 +53,9 @@ from stages.transport.producer import Job, Producer, frames
 logger = logging.getLogger("lifecycle.egress")
 
 
+#: A draining replica waits for its kept streams' grace periods (bounded by the longest allowed).
 @serve.deployment(name="Egress", max_ongoing_requests=512, ray_actor_options={"num_cpus": 0.25},
+                  graceful_shutdown_timeout_s=MAX_RESUME_GRACE_S + 10,
                   request_router_config=RequestRouterConfig(request_router_class="stages.routing.router.EgressRouter",
                                                             request_routing_stats_period_s=1.0,
                                                             request_routing_stats_timeout_s=5.0))
@@ -64,6 +78,17 @@ class EgressDeployment:
         self.transport = Producer(self.replica, directory=directory)
         self.transport.poll_forwarded()
         self._routing_seq = 0
+        self.directory = directory
+        #: Resumable streams' events, for a client that reconnects (any Ingress replica).
+        self.kept = ResumeStore(self.replica, on_expire=self._expired, on_keep=self._keep_entry,
+                                on_unkeep=self._unkeep_entry)
+        self._background: list[asyncio.Task[None]] = []
+        if directory is not None:
+            from stages.ingress.views import report_metrics_forever
+            from stages.metrics import resume_exposition
+
+            self._background.append(asyncio.create_task(
+                report_metrics_forever(directory, self.replica, lambda: resume_exposition(self.kept))))
 
     def _open(self, req: EngineRequest) -> EngineStream:
         call = self.to_engine.open_outputs(req)
@@ -84,7 +109,16 @@ class EgressDeployment:
 
     def _job(self, job: GenerationJob) -> Job:
         request_id = job.engine_request.request_id
-        return Job(request_id, job.consumer, self._stream(job), wrap=lambda item: frames(request_id, item))
+        wrap = lambda item: frames(request_id, item)  # noqa: E731
+        if job.resume is None or not job.stream:
+            return Job(request_id, job.consumer, self._stream(job), wrap=wrap)
+        self.kept.open(request_id, job.resume, job.response_id, shape={
+            "kind": job.kind, "model_name": job.model_name, "response_id": job.response_id, "created": job.created,
+            "include_usage": job.include_usage, "trace_context": dict(job.engine_request.trace_context or {})})
+        return Job(request_id, job.consumer, self._stream(job), wrap=wrap,
+                   record=lambda items: self.kept.record(request_id, items),
+                   keep=lambda: self.kept.detach(request_id),
+                   on_end=lambda: self.kept.finish(request_id))
 
     async def attach(self, request: ChannelAttach) -> AsyncIterator[ChannelBatch]:
         """The channel of the Ingress replica ``request.consumer`` (routed here by name): the
@@ -97,6 +131,61 @@ class EgressDeployment:
         runs, which aborts it in the engine. Unknown or finished ids are ignored; ids naming
         another replica (draining) are forwarded to the directory."""
         await self.transport.abort(request)
+
+    # -- resumable streams -----------------------------------------------------------------------------------
+    async def detach(self, request: DetachRequest) -> bool:
+        """The client of ``request.request_id`` left (its Ingress says so): keep a resumable stream
+        running, detached, for its grace period; end any other as an abort would. True when kept.
+        ``delivered``: the client received it all, so its kept events go now."""
+        rid = request.request_id
+        if request.delivered:  # nothing left to resume
+            self.kept.forget(rid)
+            return False
+        if request.replica != self.replica:  # the named replica is draining: it must end the job
+            await self.transport.abort(AbortRequest(request.replica, [rid]))
+            return False
+        if self.kept.detach(rid):
+            self.transport.detach(rid)
+            return True
+        self.transport.end([rid])
+        return False
+
+    async def resume(self, request: ResumeRequest) -> ResumeStart:
+        """A client reconnected through the Ingress replica ``request.consumer``: the kept events
+        after ``request.after`` go to that replica's channel, then the live ones. Raises
+        :class:`~stages.errors.NotFoundError` (nothing kept) or :class:`~stages.errors.ConflictError`
+        (a connection is attached)."""
+        rid = request.request_id
+        kept, items = self.kept.take(rid, request.after)
+        if kept.dropped:
+            items = [RoutedError(rid, EventsDroppedError())]
+        self.transport.retarget(rid, request.consumer, items)
+        if kept.dropped:
+            self.transport.end([rid])
+        assert kept.start is not None  # kept from the acceptance on
+        return ResumeStart(start=kept.start, reconnects=kept.reconnects, dropped=kept.dropped,
+                           replayed=sum(1 for i in items if event_id(i) is not None), **kept.shape)
+
+    def _expired(self, request_id: str, running: bool) -> None:
+        """Nobody reconnected within the grace period: abort the request (its blocks are freed)."""
+        if running:
+            self.transport.end([request_id])
+        logger.info("resumable stream %s expired%s", request_id, " and was aborted" if running else "")
+
+    def _keep_entry(self, entry: LiveEntry, seconds: float) -> None:
+        if self.directory is not None:
+            fire_and_forget(lambda: self.directory.keep.remote(entry, seconds), "directory keep")
+
+    def _unkeep_entry(self, request_id: str) -> None:
+        if self.directory is not None:
+            fire_and_forget(lambda: self.directory.unkeep.remote(request_id), "directory unkeep")
+
+    async def __del__(self) -> None:
+        """Drain: wait until the kept streams' grace periods have ended (Serve stops waiting at
+        ``graceful_shutdown_timeout_s``)."""
+        if len(self.kept):
+            logger.info("draining: waiting for %d kept stream(s)", len(self.kept))
+            await self.kept.drained()
 
     async def _stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
         """The job's :class:`StreamStart` (naming this replica), its frames, and its summary."""
@@ -111,6 +200,7 @@ class EgressDeployment:
                     break  # end the span before the last item: the caller may answer at once
                 if isinstance(item, StreamStart):
                     item.egress_replica = self.replica
+                    self.kept.started(job.engine_request.request_id, item)
                 yield item
         if summary is not None:
             yield summary
@@ -120,7 +210,8 @@ class EgressDeployment:
         """The transport on this replica (tests, benchmarks): jobs running here, and the calls and
         engine requests it sent to the engines."""
         sent = self.to_engine.admission
-        return {"replica": self.replica, "admitted_jobs": len(self.transport),
+        return {"replica": self.replica, "admitted_jobs": len(self.transport), "kept_streams": len(self.kept),
+                "kept_bytes": self.kept.nbytes,
                 "engine_admission_calls": sent.calls_sent, "engine_admission_requests": sent.items_sent,
                 "open_engine_calls": self.to_engine.open_calls}
 

@@ -226,7 +226,7 @@ class Egress:
                             stopped.append(c.engine_id)
                     if chunk is not None:
                         frames.append(StreamFrame(sse_event(chunk, event_id), c.index, len(out.new_token_ids),
-                                                  c.finish_reason))
+                                                  c.finish_reason, event_id))
                         event_id += 1
                 busy += time.perf_counter() - t0
                 if stopped and open_choices and self.engine_abort is not None:
@@ -244,6 +244,7 @@ class Egress:
         finally:
             await stream.close()  # aborts in the engine whatever is still running there
         summary = self._summary(choices, busy)
+        summary.num_events = event_id
         summary.route = stream.request.route if stream.request is not None else None
         if not job.stream:
             t0 = time.perf_counter()

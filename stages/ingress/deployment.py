@@ -55,6 +55,7 @@ from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
 from stages.ingress.http_errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
 from stages.ingress.prep import Prep
+from stages.ingress.resume import RESUMABLE_HEADER, find_kept, last_event_id, resume_grace
 from stages.ingress.sse import relay, sse_response
 from stages.ingress.tokens import TokenRoutes
 from stages.ingress.views import (
@@ -73,6 +74,8 @@ from stages.transport.messages import (
     AbortRequest,
     GenerationJob,
     PreprocessRequest,
+    ResumeStart,
+    ResumeTerms,
     StreamSummary,
 )
 
@@ -85,6 +88,8 @@ VERSION = package_version("lifecycle-serve")
 #: Response header carrying the server-minted request id (the response ``id`` holds it too).
 SERVER_ID_HEADER = "X-Server-Request-Id"
 MAX_REQUEST_ID_LEN = 128
+#: Seconds a reconnect waits for the Egress replica keeping its stream to hand it over.
+RESUME_TIMEOUT_S = 10.0
 
 
 def validate_request_id(value: str | None) -> str | None:
@@ -155,6 +160,7 @@ class Ingress:
             Route(CHAT.path, self.chat_completions, methods=["POST"]),
             Route(COMPLETION.path, self.completions, methods=["POST"]),
             Route("/v1/requests/{request_id}/cancel", self.cancel, methods=["POST"]),
+            Route("/v1/requests/{request_id}/events", self.resume_events, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
@@ -243,6 +249,8 @@ class Ingress:
                 **req.prompt_input(),  # messages (chat) or prompt (text)
                 **preprocess_fields(req),  # structured outputs, tools, bad_words
             )
+            grace = resume_grace(request.headers.get(RESUMABLE_HEADER), self.cfg.http.resume_grace_s)
+            live.resumable = bool(grace) and req.stream
             engine_request = await self.prep.process(pre)
             live.prep = time.perf_counter() - t_arrival
             self.metrics.observe_grammar(engine_request.upstream_timings)
@@ -251,7 +259,9 @@ class Ingress:
                                 response_id=live.response_id, created=int(time.time()), n=req.n,
                                 stream=req.stream, include_usage=req.include_usage,
                                 echo=req.echo, consumer=self.to_egress.name,
-                                tool_parsing=tool_parsing(req))
+                                tool_parsing=tool_parsing(req),
+                                resume=ResumeTerms(grace, self.cfg.http.resume_max_bytes, live.client_request_id,
+                                                   live.api_key_id) if live.resumable else None)
             # Wait for the engine to accept, so a full queue or a rejected request still gets its
             # HTTP status; after this the answer is a 200.
             live.dispatched_at = time.perf_counter()
@@ -290,14 +300,40 @@ class Ingress:
         headers = {**self._id_headers(live), "Server-Timing": server_timing_header(timings)}
         return JSONResponse(body, headers=headers)
 
-    def _stream(self, gen: Any, job: GenerationJob, live: LiveRequest) -> Response:
+    def _stream(self, gen: Any, job: GenerationJob | ResumeStart, live: LiveRequest, after: int = -1) -> Response:
         http = self.cfg.http
         return sse_response(gen, job, live, self.lifecycle, self._timings,
                             keepalive_s=http.keepalive_interval_s, deadline=self._deadline(live),
                             headers=self._id_headers(live),
                             alive=lambda: self.engine_liveness.problem(live.engine_replica),
                             max_buffer_bytes=http.max_stream_buffer_bytes,
-                            slow_reader_grace_s=http.slow_reader_grace_s)
+                            slow_reader_grace_s=http.slow_reader_grace_s, after=after)
+
+    # -- reconnecting to a resumable stream -----------------------------------------------------------
+    async def resume_events(self, request: Request) -> Response:
+        """``GET /v1/requests/{id}/events``: the events of a detached resumable stream after the
+        client's ``Last-Event-ID`` (or ``?starting_after=``), then the live ones, on any Ingress
+        replica (see :mod:`stages.ingress.resume`). 404 when nothing is kept under the id, 409
+        while a connection is attached."""
+        t0 = time.perf_counter()
+        key = request.path_params["request_id"]
+        try:
+            after = last_event_id(request.headers, request.query_params)
+            entry = await find_kept(self.directory, key, request_key_id(request))
+            call = self.to_egress.open_resume(entry.owner, entry.request_id, after)
+            start = await call.start(RESUME_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - rendered in the one place
+            return error_response(exc)
+        span = get_tracer().start_span("GET /v1/requests/{id}/events", context=extract(start.trace_context),
+                                       kind=SpanKind.SERVER)
+        span.set_attributes({"lifecycle.request_id": entry.request_id, "lifecycle.stream": True})
+        span.add_event("reconnect", {"lifecycle.last_event_id": after, "lifecycle.replayed_events": start.replayed,
+                                     "lifecycle.reconnects": start.reconnects})
+        live = self.lifecycle.open(start.kind, span, t0=t0, request_id=entry.request_id,
+                                   client_request_id=entry.client_request_id, api_key_id=entry.api_key_id)
+        live.resumable, live.reconnects = not start.dropped, start.reconnects
+        self.lifecycle.started(live, start.start)
+        return self._stream(call, start, live, after)
 
     # -- accounting (once per request, from Lifecycle.close) -----------------------------------------
     def _timings(self, live: LiveRequest, summary: StreamSummary) -> dict[str, float]:
@@ -338,6 +374,8 @@ class Ingress:
                 span.set_attribute("http.response.status_code", live.status)
                 if live.status >= 500:
                     span.set_status(Status(StatusCode.ERROR, live.outcome))
+        elif live.outcome == Outcome.DETACHED:
+            pass  # not an abort: it runs on in Egress for a reconnect (Egress counts expiries)
         else:
             self.metrics.observe_abort(live.outcome)
             span.add_event("abort", {"reason": live.outcome})
@@ -354,6 +392,8 @@ class Ingress:
             "kind": live.kind, "outcome": live.outcome, "status": live.status, "api_key_id": live.api_key_id,
             "timings_ms": timings or {"total": _ms(live.elapsed())},
         }
+        if live.resumable or live.reconnects:
+            record["reconnects"] = live.reconnects
         if summary is not None:
             record.update(prompt_tokens=summary.prompt_tokens, completion_tokens=summary.completion_tokens,
                           cached_tokens=summary.cached_tokens, finish_reasons=summary.finish_reasons)

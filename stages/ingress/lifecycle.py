@@ -52,6 +52,8 @@ class Outcome(StrEnum):
     SLOW_READER = "slow_reader"
     #: Any other error (its HTTP status is in ``LiveRequest.status``).
     ERROR = "error"
+    #: The client of a resumable stream left; the request goes on, kept for a reconnect.
+    DETACHED = "detached"
 
 
 def mint_request_id() -> str:
@@ -94,6 +96,9 @@ class LiveRequest:
     closed: bool = False
     #: Rendered prompt, for opt-in logging only.
     prompt_text: str | None = None
+    #: A resumable stream (its client may leave and reconnect), and its reconnects so far.
+    resumable: bool = False
+    reconnects: int = 0
 
     @property
     def response_id(self) -> str:
@@ -174,9 +179,10 @@ class Lifecycle:
 
     # -- open / start / close ------------------------------------------------------------------------
     def open(self, kind: ApiKind, span: Any, *, client_request_id: str | None = None, api_key_id: str | None = None,
-             t0: float | None = None) -> LiveRequest:
-        """Mint an id and register a new request (in the directory too, batched)."""
-        live = LiveRequest(mint_request_id(), kind, span, client_request_id, api_key_id)
+             t0: float | None = None, request_id: str | None = None) -> LiveRequest:
+        """Register a new request under a freshly minted id, or under ``request_id`` (a reconnect
+        to a resumable stream), here and in the directory (batched)."""
+        live = LiveRequest(request_id or mint_request_id(), kind, span, client_request_id, api_key_id)
         if t0 is not None:
             live.t0 = t0
         self.live[live.request_id] = live

@@ -33,7 +33,7 @@ from stages.errors import EngineUnavailableError, InternalServerError, RequestTi
 from stages.ingress.backpressure import StreamBuffer
 from stages.ingress.http_errors import to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
-from stages.transport.messages import GenerationJob, StreamFrame, StreamStart, StreamSummary
+from stages.transport.messages import GenerationJob, ResumeStart, StreamFrame, StreamStart, StreamSummary
 
 logger = logging.getLogger("lifecycle.ingress")
 
@@ -136,16 +136,21 @@ class ClosingStreamingResponse(StreamingResponse):
                 self._on_close()
 
 
-def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lifecycle,
+def sse_response(gen: Any, job: GenerationJob | ResumeStart, live: LiveRequest, lifecycle: Lifecycle,
                  timings: Callable[[LiveRequest, StreamSummary], dict[str, float]], *, keepalive_s: float,
                  deadline: float | None = None, headers: dict[str, str] | None = None,
                  alive: LivenessCheck | None = None, max_buffer_bytes: int = 1 << 20,
-                 slow_reader_grace_s: float = 10.0) -> ClosingStreamingResponse:
+                 slow_reader_grace_s: float = 10.0, after: int = -1) -> ClosingStreamingResponse:
     """The SSE response of a streamed request whose :class:`StreamStart` has been read from ``gen``:
     Egress frames as they come, heartbeats while nothing does, then the closing chunk (usage when
     asked, server timings) and ``[DONE]``; an error after the 200 is an in-band error event, then
     ``[DONE]``. However it ends, ``lifecycle.close`` runs exactly once and an unfinished Egress
-    call is cancelled (which aborts the request in the engine).
+    call is cancelled (which aborts the request in the engine), unless the request is resumable
+    (``live.resumable``) and its client left: then it is detached, kept for a reconnect.
+
+    Every event has an ``id``: Egress numbers the frames, the closing chunk and ``[DONE]`` follow
+    on. A reconnect (``after``: the last id its client received; ``job`` is then the
+    :class:`ResumeStart`) sends only the events after it.
 
     A reader task takes the Egress stream into a :class:`StreamBuffer`; the body writes from it.
     When more than ``max_buffer_bytes`` wait for a client that stopped reading, the request is
@@ -159,14 +164,14 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
             raise SlowReaderError(buffer.size, max_buffer_bytes)
 
     async def read() -> None:
-        events = 0  # Egress numbers its events from 0; the closing events continue the count
+        events = after + 1  # the next event's id: Egress numbers frames from 0, the closing events follow
         try:
             async with contextlib.aclosing(relay(gen, keepalive_s, deadline, alive)) as items:
                 async for item in items:
                     if item is None:
                         emit(SSE_KEEPALIVE)
                     elif isinstance(item, StreamFrame):
-                        events += 1
+                        events = item.event_id + 1 if item.event_id >= 0 else events + 1
                         live.mark_tokens(item.num_tokens)
                         emit(item.data)
                     else:
@@ -175,10 +180,12 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
                         parts = timings(live, item)
                         usage_body = (usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
                                       if job.include_usage else None)
-                        emit(sse_event(renderer(job.kind).final_stream_chunk(job.response_id, job.created,
-                                                                             job.model_name, usage_body, parts),
-                                       events))
-                        emit(sse_event("[DONE]", events + 1))
+                        closing = max(events, item.num_events)
+                        if closing > after:  # a reconnect after the closing chunk gets only [DONE]
+                            emit(sse_event(renderer(job.kind).final_stream_chunk(job.response_id, job.created,
+                                                                                 job.model_name, usage_body, parts),
+                                           closing))
+                        emit(sse_event("[DONE]", closing + 1))
                         buffer.close()
                         lifecycle.close(live, Outcome.CANCELLED if live.cancel_requested else Outcome.OK, item, parts)
                         return
@@ -208,6 +215,8 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
                 if first_frame_queued:
                     live.mark_flushed()  # resumed: Starlette's send of the first token's frame returned
                 buffer.mark_sent()
+            if live.resumable:
+                gen.release()  # all of it was handed to the connection: nothing left to resume
         except (asyncio.CancelledError, GeneratorExit):
             live.outcome = Outcome.CLIENT_GONE if live.outcome == Outcome.OK else live.outcome
             raise
@@ -217,9 +226,15 @@ def sse_response(gen: Any, job: GenerationJob, live: LiveRequest, lifecycle: Lif
             await asyncio.wait([reader])  # its own errors are handled inside; this never raises them
 
     def on_close() -> None:
-        if not live.closed:
-            gen.cancel()  # Ray Serve carries this to Egress and on to the engine: abort
-            lifecycle.close(live, Outcome.CLIENT_GONE if live.outcome == Outcome.OK else None)
+        if live.closed:
+            return
+        if live.resumable and live.outcome in (Outcome.OK, Outcome.CLIENT_GONE):
+            live.span.add_event("client_disconnected", {"lifecycle.resumable": True})
+            gen.detach()  # Egress keeps it running and its events for a reconnect
+            lifecycle.close(live, Outcome.DETACHED)
+            return
+        gen.cancel()  # Ray Serve carries this to Egress and on to the engine: abort
+        lifecycle.close(live, Outcome.CLIENT_GONE if live.outcome == Outcome.OK else None)
 
     response = ClosingStreamingResponse(body(), on_close, media_type="text/event-stream",
                                         headers={**SSE_HEADERS, **(headers or {})})

@@ -31,7 +31,15 @@ from stages.config import RoutingSettings
 from stages.routing.load import BUSY_WEIGHT, ReplicaLoad, SentSinceReport, start_cost
 from stages.routing.policy import Candidate, Policy, rank
 from stages.routing.prefix import PrefixViews
-from stages.transport.messages import AbortRequest, AdmissionBatch, ChannelAttach, EngineRequest, RouteNote
+from stages.transport.messages import (
+    AbortRequest,
+    AdmissionBatch,
+    ChannelAttach,
+    DetachRequest,
+    EngineRequest,
+    ResumeRequest,
+    RouteNote,
+)
 
 #: Seconds between two routing reports of a replica (Serve calls ``record_routing_stats``).
 ROUTING_STATS_PERIOD_S = 1.0
@@ -166,8 +174,10 @@ def _engine_requests(msg: Any) -> list[EngineRequest]:
 
 
 class EgressRouter(RequestRouter):
-    """Serve ``RequestRouter`` for Egress: an Ingress replica's :class:`ChannelAttach` and its
-    :class:`AbortRequest` (ending jobs it gave up on) go to the Egress replica they name.
+    """Serve ``RequestRouter`` for Egress: an Ingress replica's :class:`ChannelAttach`, its
+    :class:`AbortRequest` (ending jobs it gave up on), :class:`DetachRequest` and
+    :class:`ResumeRequest` (a resumable stream's client left, or came back) go to the Egress
+    replica they name.
 
     An :class:`AdmissionBatch` of jobs goes to the replica running the fewest: once their
     ``submit`` call has returned, jobs are no longer Serve requests, so Serve's queue lengths (what
@@ -181,7 +191,7 @@ class EgressRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         msg = pending_request.args[0] if pending_request is not None and pending_request.args else None
-        if isinstance(msg, ChannelAttach | AbortRequest):
+        if isinstance(msg, ChannelAttach | AbortRequest | DetachRequest | ResumeRequest):
             target = [r for r in candidate_replicas if r.replica_id.unique_id == msg.replica]
             return [target or candidate_replicas[:1]]  # elsewhere: its first item says so; a no-op
         if not isinstance(msg, AdmissionBatch) or len(candidate_replicas) < 2:

@@ -41,9 +41,12 @@ from stages.transport.messages import (
     BodyPart,
     ChannelAttach,
     ChannelBatch,
+    DetachRequest,
     EngineOutput,
     EngineRequest,
     GenerationJob,
+    ResumeRequest,
+    ResumeStart,
     StreamStart,
     StreamSummary,
 )
@@ -73,6 +76,20 @@ class Consumer:
     def open_frames(self, job: GenerationJob) -> FrameCall:
         """Send a generation job (Ingress → Egress)."""
         return FrameCall(self, dataclasses.replace(job, consumer=self.name), [job.engine_request.request_id])
+
+    def open_resume(self, replica: str, request_id: str, after: int) -> FrameCall:
+        """Take over a resumable stream kept by the Egress replica ``replica`` (Ingress → Egress):
+        the acceptance is a :class:`ResumeStart`, the frames after event ``after`` follow."""
+        request = ResumeRequest(replica, request_id, after, self.name)
+        accepted = asyncio.ensure_future(self.handle.resume.remote(request))
+        return FrameCall(self, request, [request_id], accepted=accepted)
+
+    def detach(self, replica: str, request_id: str, *, delivered: bool = False) -> None:
+        """Tell ``replica`` that the client of the resumable stream ``request_id`` left (fire and
+        forget: it keeps the stream, or ends it if it is not resumable after all), or with
+        ``delivered`` that it received the whole stream (its kept events may go)."""
+        request = DetachRequest(replica, request_id, delivered)
+        fire_and_forget(lambda: self.handle.detach.remote(request), "transport detach")
 
     # -- what the calls use ------------------------------------------------------------------------------
     async def _submit(self, items: list[Any]) -> list[Admission]:
@@ -111,13 +128,16 @@ def _replica_of(accepted: Any) -> str:
     engine's first outputs (the first carries its replica)."""
     if isinstance(accepted, StreamStart):
         return accepted.egress_replica
+    if isinstance(accepted, ResumeStart):
+        return accepted.start.egress_replica
     return (accepted[0].replica if accepted else None) or ""
 
 
 class Call:
     """One request on the caller side (see the module docstring)."""
 
-    def __init__(self, consumer: Consumer, inbox: _Slot, item: Any, ids: list[str]) -> None:
+    def __init__(self, consumer: Consumer, inbox: _Slot, item: Any, ids: list[str],
+                 accepted: asyncio.Future[Any] | None = None) -> None:
         self.consumer = consumer
         self.inbox = inbox
         #: What was sent (the router may have noted on it where it went).
@@ -127,7 +147,8 @@ class Call:
         self._ended = False
         consumer.client.add(inbox)
         consumer.open_calls += 1
-        self._accepted = consumer.admission.submit(item)
+        #: The acceptance: from batched admission, or (a resume) from a call of its own.
+        self._accepted = accepted if accepted is not None else consumer.admission.submit(item)
 
     async def start(self, timeout: float | None = None) -> Any:
         """The acceptance (waits up to ``timeout``), or the refusal raised. Whatever fails or is
@@ -164,6 +185,25 @@ class Call:
         elif not self.finished:
             self.consumer.abort(_replica_of(accepted.result()), self.ids)
         self.consumer.client.unregister(self.inbox, aborted=aborted)
+
+    def detach(self) -> None:
+        """Stop reading a resumable request without ending it: its producer keeps it for the
+        client to take again (:meth:`Consumer.open_resume`); before its acceptance, as
+        :meth:`cancel`."""
+        accepted = self._accepted
+        if (self._ended or not accepted.done() or accepted.cancelled() or accepted.exception() is not None
+                or self.finished):
+            self.cancel()
+            return
+        self._ended = True
+        self.consumer.open_calls -= 1
+        self.consumer.detach(_replica_of(accepted.result()), self.ids[0])
+        self.consumer.client.unregister(self.inbox, aborted=True)  # late frames are dropped, not aborted
+
+    def release(self) -> None:
+        """The client received the whole of a resumable stream: its producer may forget it."""
+        if self.replica:
+            self.consumer.detach(self.replica, self.ids[0], delivered=True)
 
     def _finish(self) -> None:
         """The request ended in the producer: stop reading, nothing to abort."""
@@ -202,8 +242,9 @@ class FrameCall(Call):
     iterator of its frames and finally its summary; a whole body sent in parts comes back joined
     on the summary."""
 
-    def __init__(self, consumer: Consumer, job: GenerationJob, ids: list[str]) -> None:
-        super().__init__(consumer, FrameInbox(ids[0]), job, ids)
+    def __init__(self, consumer: Consumer, job: GenerationJob | ResumeRequest, ids: list[str],
+                 accepted: asyncio.Future[Any] | None = None) -> None:
+        super().__init__(consumer, FrameInbox(ids[0]), job, ids, accepted)
         self._parts: list[bytes] = []
         self._done = False
 

@@ -373,6 +373,21 @@ class GenerationJob:
     #: ``"auto"``/``"required"`` (finish reason ``tool_calls`` when there are any), ``"named"``
     #: (finish reason ``stop``, as OpenAI does for a forced function), ``None`` (no tools).
     tool_parsing: str | None = None
+    #: Set for a resumable stream (``X-Resumable``): Egress keeps its events for a reconnect.
+    resume: ResumeTerms | None = None
+
+
+@dataclass
+class ResumeTerms:
+    """How a resumable stream's events are kept (:mod:`stages.egress.resume`), and the names a
+    reconnecting client may find it by (the directory indexes them while nobody is attached)."""
+
+    #: Seconds the events stay after the client leaves (or after the request finishes, if later).
+    grace_s: float
+    #: Past this many bytes of kept events the stream is no longer resumable.
+    max_bytes: int
+    client_request_id: str | None = None
+    api_key_id: str | None = None
 
 
 # -- Egress → Ingress -------------------------------------------------------------------------------
@@ -399,6 +414,9 @@ class StreamFrame:
     num_tokens: int
     #: Set when this event ends the choice.
     finish_reason: str | None = None
+    #: The event's SSE ``id:`` (Egress numbers a stream's events from 0; a reconnecting client
+    #: names the last one it received).
+    event_id: int = -1
 
 
 @dataclass
@@ -419,6 +437,8 @@ class StreamSummary:
     body: dict[str, Any] | None = None
     #: Where the engine router sent the request and what it expected cached there.
     route: RouteNote | None = None
+    #: SSE events Egress sent before this summary (the closing events' ids follow on).
+    num_events: int = 0
 
 
 @dataclass
@@ -454,6 +474,58 @@ class LiveEntry:
     client_request_id: str | None = None
     #: Digest of the API key that created the request (``None`` when keys are off).
     api_key_id: str | None = None
+
+
+@dataclass
+class DetachRequest:
+    """Ingress → the Egress replica ``replica``: the client of the resumable stream
+    ``request_id`` left; keep its events for the grace period instead of ending it. With
+    ``delivered``, the client instead received the whole stream: its events may go."""
+
+    replica: str
+    request_id: str
+    delivered: bool = False
+
+
+@dataclass
+class ResumeRequest:
+    """Ingress → the Egress replica ``replica`` that keeps ``request_id``'s events: send the
+    events after ``after`` (-1: all) and the rest as they come through ``consumer``'s channel."""
+
+    replica: str
+    request_id: str
+    after: int
+    consumer: str
+
+
+@dataclass
+class ResumeStart:
+    """Egress's answer to a :class:`ResumeRequest`: where the request runs, what its closing
+    events need (the Ingress that resumes it did not start it), and what was replayed."""
+
+    start: StreamStart
+    kind: ApiKind
+    model_name: str
+    response_id: str
+    created: int
+    include_usage: bool
+    #: The request's trace, so the reconnect joins it.
+    trace_context: dict[str, str]
+    #: Reconnects so far, this one included.
+    reconnects: int
+    #: Kept events sent again (those after ``after``).
+    replayed: int
+    #: The kept events were dropped (past the byte cap): an error event and ``[DONE]`` follow.
+    dropped: bool = False
+
+
+@dataclass
+class ResumeLookup:
+    """The directory's answer to a reconnect: the kept streams ``key`` names (nobody attached),
+    and how many live requests it names that still have a connection."""
+
+    kept: list[LiveEntry] = field(default_factory=list)
+    attached: int = 0
 
 
 @dataclass

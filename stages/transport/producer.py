@@ -61,12 +61,20 @@ class Job:
 
     ``items`` yields the acceptance first; each later item becomes channel items through ``wrap``
     (a job may also push to its consumer's mailbox itself, through :meth:`Producer.push`: the
-    engine hands each step's outputs over from its step delivery, not through this generator)."""
+    engine hands each step's outputs over from its step delivery, not through this generator).
+
+    A job whose client may come back (a resumable stream) has ``record`` (every list of channel
+    items due to its consumer, delivered or not), ``keep`` (its consumer died: return True to keep
+    it running detached, :meth:`Producer.detach`) and ``on_end`` (its task ended)."""
 
     key: str
-    consumer: str
+    #: The consumer replica reading it; ``None`` while detached.
+    consumer: str | None
     items: AsyncIterator[Any]
     wrap: Callable[[Any], list[Any]]
+    record: Callable[[list[Any]], None] | None = None
+    keep: Callable[[], bool] | None = None
+    on_end: Callable[[], None] | None = None
 
 
 def frames(request_id: str, item: Any) -> list[RoutedFrame]:
@@ -92,6 +100,7 @@ class Producer:
         self.hub = ChannelHub(replica, merge=merge)
         self.directory = directory
         self._jobs: dict[str, asyncio.Task[None]] = {}
+        self._running: dict[str, Job] = {}
         self._end: Callable[[list[str]], Any] = self._cancel_tasks
         watch_args = {} if watch_period_s is None else {"period_s": watch_period_s}
         self.consumers = ConsumerWatch(self._consumer_gone, is_gone=is_gone, **watch_args)
@@ -119,19 +128,25 @@ class Producer:
     async def _admit(self, job: Job) -> Admission:
         loop = asyncio.get_running_loop()
         first: asyncio.Future[Any] = loop.create_future()
+        assert job.consumer is not None
         self.hub.open(job.consumer)
         self.consumers.add(job.consumer, (job.consumer, job.key))
         # A fresh context: the job outlives the batch call that started it.
         task = loop.create_task(self._drive(job, first), context=contextvars.Context())
         self._jobs[job.key] = task
+        self._running[job.key] = job
 
         def done(t: asyncio.Task[None]) -> None:
             if self._jobs.get(job.key) is t:
                 del self._jobs[job.key]
-            self.hub.close(job.consumer)
-            self.consumers.discard(job.consumer, (job.consumer, job.key))
+                del self._running[job.key]
+            if job.consumer is not None:
+                self.hub.close(job.consumer)
+                self.consumers.discard(job.consumer, (job.consumer, job.key))
             if not first.done():  # cancelled before ``_drive`` ever ran: the answer must not hang
                 first.set_exception(RuntimeError("the request was cancelled before it was accepted"))
+            if job.on_end is not None:
+                job.on_end()
 
         task.add_done_callback(done)
         try:
@@ -145,7 +160,7 @@ class Producer:
                 if not first.done():
                     first.set_result(item)
                 else:
-                    self.hub.push(job.consumer, job.wrap(item))
+                    self._send(job, job.wrap(item))
             if not first.done():
                 first.set_exception(RuntimeError("the request ended before it was accepted"))
         except asyncio.CancelledError:
@@ -156,11 +171,45 @@ class Producer:
             if not first.done():
                 first.set_exception(exc)
             else:
-                self.hub.push(job.consumer, [RoutedError(job.key, exc)])
+                self._send(job, [RoutedError(job.key, exc)])
+
+    def _send(self, job: Job, items: list[Any]) -> None:
+        if job.record is not None:
+            job.record(items)
+        if job.consumer is not None:
+            self.hub.push(job.consumer, items)
 
     def push(self, consumer: str, items: list[Any]) -> None:
         """Items of a running request, straight into its consumer's mailbox."""
         self.hub.push(consumer, items)
+
+    # -- a client that leaves and comes back ---------------------------------------------------------------
+    def detach(self, key: str) -> bool:
+        """The request ``key`` goes on with no consumer (its items are only recorded) until
+        :meth:`retarget`; False when it is not running here."""
+        job = self._running.get(key)
+        if job is None:
+            return False
+        if job.consumer is not None:
+            self.hub.close(job.consumer)
+            self.consumers.discard(job.consumer, (job.consumer, key))
+            job.consumer = None
+        return True
+
+    def retarget(self, key: str, consumer: str, items: list[Any]) -> None:
+        """Send ``items`` (what the new consumer missed) to ``consumer``'s mailbox, then the
+        request's own items as they come, if it still runs."""
+        job = self._running.get(key)
+        self.hub.open(consumer)
+        self.hub.push(consumer, items)
+        if job is None:  # finished: what was pushed is all there is
+            self.hub.close(consumer)
+            return
+        if job.consumer is not None:
+            self.hub.close(job.consumer)
+            self.consumers.discard(job.consumer, (job.consumer, key))
+        job.consumer = consumer
+        self.consumers.add(consumer, (consumer, key))
 
     # -- the consumer's stream -------------------------------------------------------------------------
     async def attach(self, consumer: str) -> AsyncIterator[ChannelBatch]:
@@ -202,7 +251,11 @@ class Producer:
     def _consumer_gone(self, entry: tuple[str, str]) -> None:
         """The replica reading this request died: end it here, and forget its mailbox."""
         consumer, key = entry
-        self._cancel_tasks([key])
+        job = self._running.get(key)
+        if job is not None and job.consumer == consumer and job.keep is not None and job.keep():
+            self.detach(key)  # resumable: it runs on for a client that may come back elsewhere
+        else:
+            self._cancel_tasks([key])
         self.hub.drop(consumer)
 
     def poll_forwarded(self, period_s: float = FORWARDED_POLL_S) -> None:

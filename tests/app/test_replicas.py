@@ -57,26 +57,6 @@ def app(serve_app_replicas: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def ingress_ports(app: Any) -> dict[str, int]:
-    """Ingress replica id → its direct-ingress port (both replicas of this app)."""
-    prefix = app.url.rsplit("/", 1)[-1]
-    found: dict[str, int] = {}
-    deadline = time.monotonic() + 60
-    while len(found) < 2 and time.monotonic() < deadline:
-        for port in range(30000, 30064):
-            try:
-                r = httpx.get(f"http://127.0.0.1:{port}/{prefix}/health", timeout=1)
-            except httpx.HTTPError:
-                continue
-            if r.status_code == 200 and "replica" in r.json():
-                found[r.json()["replica"]] = port
-        if len(found) < 2:
-            time.sleep(1)
-    assert len(found) == 2, f"expected 2 Ingress replicas on direct-ingress ports, found {found}"
-    return found
-
-
-@pytest.fixture(scope="module")
 def clean_text(app: Any) -> str:
     r = _chat(app.url)
     assert r.status_code == 200, r.text

@@ -41,6 +41,8 @@ from stages.errors import (
     RequestTimeoutError,
     ServeError,
     SlowReaderError,
+    ConflictError,
+    EventsDroppedError,
     unwrap_error,
 )
 from stages.ingress.http_errors import error_response, to_serve_error
@@ -62,6 +64,8 @@ INSTANCES: list[ServeError] = [
     RequestCancelledError(),
     RequestTimeoutError(),
     SlowReaderError(20000, 16384),
+    ConflictError("The stream already has a connection attached."),
+    EventsDroppedError(),
 ]
 
 #: The HTTP contract: status, OpenAI error ``type`` and default ``code`` of each class.
@@ -80,6 +84,8 @@ CONTRACT: dict[type[ServeError], tuple[int, str, str | None]] = {
     RequestCancelledError: (499, "request_cancelled", None),
     RequestTimeoutError: (504, "timeout", "request_timeout"),
     SlowReaderError: (408, "slow_reader", "stream_buffer_exceeded"),
+    ConflictError: (409, "invalid_request_error", "conflict"),
+    EventsDroppedError: (410, "events_dropped", "events_dropped"),
 }
 
 

@@ -71,7 +71,7 @@ def summary() -> StreamSummary:
 
 
 def frame(i: int, tokens: int = 1, finish: str | None = None) -> StreamFrame:
-    return StreamFrame(f"id: {i}\ndata: {{\"i\": {i}}}\n\n", 0, tokens, finish)
+    return StreamFrame(f"id: {i}\ndata: {{\"i\": {i}}}\n\n", 0, tokens, finish, i)
 
 
 class Harness:
@@ -118,7 +118,7 @@ def test_outcomes_read_as_the_log_and_metric_values_they_always_were():
     """Log lines and the ``reason`` label of ``request_aborted_total`` stay byte-identical."""
     import json
 
-    assert [str(o) for o in Outcome] == ["ok", "cancelled", "client_gone", "timeout", "slow_reader", "error"]
+    assert [str(o) for o in Outcome] == ["ok", "cancelled", "client_gone", "timeout", "slow_reader", "error", "detached"]
     assert json.dumps({"outcome": Outcome.CLIENT_GONE}) == '{"outcome": "client_gone"}'
     assert f"{Outcome.SLOW_READER}" == "slow_reader" and Outcome.OK == "ok"
     lc = Lifecycle("ingress-a")
