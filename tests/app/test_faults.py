@@ -34,6 +34,7 @@ from tests.fault_harness import (
     sse_events,
     wait_for,
 )
+from tests.sse_events import Events
 
 pytestmark = pytest.mark.serve
 
@@ -364,3 +365,30 @@ def test_egress_ends_a_stream_whose_reader_no_longer_exists(fault_app: ServeApp)
     assert answer.error is None, answer.error
     wait_for(lambda: _engine_idle(fault_app), 10, "the engine to abort the probe")
     assert time.monotonic() - t0 < 10
+
+
+def test_a_resumable_stream_survives_its_ingress_replica(fault_app: ServeApp) -> None:
+    """Its events live in Egress, not in the Ingress that held the connection: after that Ingress
+    is killed, the client reconnects to its replacement and gets exactly what it missed."""
+    _ready(fault_app)
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Name some rivers."}],
+            "temperature": 0, "max_tokens": 48, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", fault_app.url + "/v1/chat/completions", json=body) as resp:
+            clean = Events().read(resp)
+        first = Events()
+        with client.stream("POST", fault_app.url + "/v1/chat/completions", json=body,
+                           headers={"X-Resumable": "120"}) as resp:
+            with pytest.raises(httpx.HTTPError):
+                first.read(resp, stop=3)
+                _kill(APP, "Ingress")
+                first.read(resp)  # the connection closes under it
+        assert first.events and first.events[-1][1] != "[DONE]"
+        wait_for(lambda: _health(fault_app) == 200, RECOVERY_S, "a new Ingress replica")
+        with client.stream("GET", f"{fault_app.url}/v1/requests/{first.response_id}/events",
+                           headers={"Last-Event-ID": str(first.last_id)}) as resp:
+            rest = Events().read(resp)
+    ids = first.ids() + rest.ids()
+    assert ids == list(range(len(ids))), ids
+    assert first.text() + rest.text() == clean.text()
+    wait_for(lambda: _engine_idle(fault_app), 15, "the engine to be idle")

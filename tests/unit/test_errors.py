@@ -28,8 +28,10 @@ from stages.engine.core.errors import (
 )
 from stages.errors import (
     AuthenticationError,
+    ConflictError,
     ContextLengthExceededError,
     EngineUnavailableError,
+    EventsDroppedError,
     InternalServerError,
     InvalidRequestError,
     MethodNotAllowedError,
@@ -41,8 +43,6 @@ from stages.errors import (
     RequestTimeoutError,
     ServeError,
     SlowReaderError,
-    ConflictError,
-    EventsDroppedError,
     unwrap_error,
 )
 from stages.ingress.http_errors import error_response, to_serve_error
