@@ -284,3 +284,26 @@ def test_short_requests_are_prepared_in_the_ingress_long_ones_in_the_stage(serve
     for where in ("ingress", "stage"):
         assert (_value(after, "lifecycle:preprocess_requests_total", where=where)
                 - _value(before, "lifecycle:preprocess_requests_total", where=where)) == 1, where
+
+
+def test_a_resumed_stream_is_one_trace_with_its_disconnect_and_reconnect(serve_app: ServeApp):
+    from tests.sse_events import Events
+
+    rid = f"resume-trace-{uuid.uuid4().hex[:8]}"
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Count to twenty."}],
+            "max_tokens": 24, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", serve_app.url + "/v1/chat/completions", json=body,
+                           headers={"X-Request-Id": rid, "X-Resumable": "30"}) as resp:
+            first = Events().read(resp, stop=3)
+        with client.stream("GET", f"{serve_app.url}/v1/requests/{rid}/events",
+                           headers={"Last-Event-ID": str(first.last_id)}) as resp:
+            rest = Events().read(resp)
+    assert rest.events[-1][1] == "[DONE]"
+    root, spans = _wait_for_trace(serve_app, rid, {"GET /v1/requests/{id}/events", "engine", "decode"})
+    assert ("client_disconnected", {"lifecycle.resumable": True}) in root.events
+    (reconnect,) = [s for s in spans if s.name == "GET /v1/requests/{id}/events"]
+    assert reconnect.trace_id == root.trace_id and reconnect.parent_span_id == root.span_id
+    (event,) = [attrs for name, attrs in reconnect.events if name == "reconnect"]
+    assert event["lifecycle.last_event_id"] == first.last_id and event["lifecycle.reconnects"] == 1
+    assert event["lifecycle.replayed_events"] >= 0
