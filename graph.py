@@ -43,5 +43,6 @@ def build_app_with_options(args: dict[str, Any] | None = None,
     engine = deployment(routed_engine).bind(cfg.model, cfg.engine, cfg.tracing, directory)
     preprocess = deployment(PreprocessDeployment).bind(cfg.model, cfg.engine.max_model_len, cfg.tracing, directory,
                                                        cfg.structured_outputs)
-    egress = deployment(EgressDeployment).bind(engine, cfg.model, cfg.tracing, directory=directory)
+    egress = deployment(EgressDeployment).bind(engine, cfg.model, cfg.tracing, directory=directory,
+                                               max_migrations=cfg.engine.max_migrations)
     return deployment(Ingress).bind(preprocess, egress, engine, cfg, directory)

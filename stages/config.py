@@ -93,6 +93,9 @@ class EngineSettings(_Section):
     max_waiting_requests: int = Field(256, ge=1)
     #: A step loop that has work but finishes no step for this long is unhealthy (Serve replaces it).
     stall_timeout_s: float = Field(60.0, gt=0)
+    #: Times a request may move to another engine replica when its replica is lost (0: never;
+    #: :mod:`stages.egress.migration`).
+    max_migrations: int = Field(3, ge=0)
     #: Seconds between the replica's reports to the Directory (app-wide /health and /metrics).
     report_interval_s: float = Field(1.0, gt=0)
     #: Nice value of the engine's step thread (Ray starts workers at nice 15; the CPU stages keep

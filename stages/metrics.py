@@ -263,19 +263,27 @@ class _EngineCollector:
             yield h
 
 
-def resume_exposition(store: Any) -> str:
-    """An Egress replica's resumable-stream series (:class:`stages.egress.resume.ResumeStore`),
-    Prometheus text; it reports them to the directory as an Ingress replica does its own."""
+def egress_exposition(store: Any, egress: Any) -> str:
+    """An Egress replica's own series, Prometheus text: its resumable streams
+    (:class:`stages.egress.resume.ResumeStore`) and the requests it moved off lost engine replicas
+    (:class:`stages.egress.egress.Egress`). It reports them to the directory as an Ingress replica
+    does its own."""
     reg = CollectorRegistry(auto_describe=False)
-    reg.register(_ResumeCollector(store))
+    reg.register(_EgressCollector(store, egress))
     return generate_latest(reg).decode()
 
 
-class _ResumeCollector:
-    def __init__(self, store: Any) -> None:
+class _EgressCollector:
+    def __init__(self, store: Any, egress: Any) -> None:
         self.store = store
+        self.egress = egress
 
     def collect(self) -> Iterable[Any]:
+        yield CounterMetricFamily(PREFIX + "migrations", "Requests moved to another engine replica after theirs was lost.",
+                                  value=self.egress.migrations)
+        yield CounterMetricFamily(PREFIX + "migration_recomputed_tokens",
+                                  "Tokens (prompt and carried over) computed again by the replica a request moved to.",
+                                  value=self.egress.recomputed_tokens)
         s = self.store
         yield GaugeMetricFamily(PREFIX + "resumable_streams", "Resumable streams whose events are kept.",
                                 value=len(s))

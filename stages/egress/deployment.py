@@ -38,6 +38,7 @@ from stages.transport.messages import (
     ChannelAttach,
     ChannelBatch,
     DetachRequest,
+    EngineMoved,
     EngineRequest,
     GenerationJob,
     LiveEntry,
@@ -63,14 +64,15 @@ class EgressDeployment:
     """CPU stage between the engine and Ingress; scale it with ``num_replicas``."""
 
     async def __init__(self, engine: Any, model: str, tracing: TracingSettings | None = None,
-                       directory: Any = None) -> None:
+                       directory: Any = None, max_migrations: int = 0) -> None:
         from stages.model_info import load_cpu_tokenizer
         start_trimmer()
         from stages.telemetry import configure_tracing
 
         configure_tracing(tracing, component="egress")
         self.engine = engine  # DeploymentHandle of the engine, created once and reused
-        self.egress = Egress(load_cpu_tokenizer(model), self._open, self._abort)
+        self.egress = Egress(load_cpu_tokenizer(model), self._open, self._abort, max_migrations=max_migrations,
+                             healthy_engines=self._healthy_engines if directory is not None else None)
         self.replica = own_replica_id()
         #: Towards the engine: this replica's actor name keys its mailbox on every engine replica.
         self.to_engine = Consumer(engine, own_actor_name(), _channel_lost, key=_engine_admission_key)
@@ -85,10 +87,10 @@ class EgressDeployment:
         self._background: list[asyncio.Task[None]] = []
         if directory is not None:
             from stages.ingress.views import report_metrics_forever
-            from stages.metrics import resume_exposition
+            from stages.metrics import egress_exposition
 
             self._background.append(asyncio.create_task(
-                report_metrics_forever(directory, self.replica, lambda: resume_exposition(self.kept))))
+                report_metrics_forever(directory, self.replica, lambda: egress_exposition(self.kept, self.egress))))
 
     def _open(self, req: EngineRequest) -> EngineStream:
         call = self.to_engine.open_outputs(req)
@@ -100,6 +102,10 @@ class EgressDeployment:
 
     async def _abort(self, req: AbortRequest) -> None:
         await self.engine.abort.remote(req)
+
+    async def _healthy_engines(self) -> list[str]:
+        """The engine replicas reporting healthy to the directory (a move needs another one)."""
+        return [r.replica for r in await self.directory.engines.remote() if r.healthy]
 
     # -- the producer side (Ingress calls these) ----------------------------------------------------------
     async def submit(self, batch: AdmissionBatch) -> list[Admission]:
@@ -187,7 +193,7 @@ class EgressDeployment:
             logger.info("draining: waiting for %d kept stream(s)", len(self.kept))
             await self.kept.drained()
 
-    async def _stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
+    async def _stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary | EngineMoved]:
         """The job's :class:`StreamStart` (naming this replica), its frames, and its summary."""
         summary: StreamSummary | None = None
         with span_from_context(get_tracer(), "egress.stream" if job.stream else "egress.complete",
@@ -211,7 +217,7 @@ class EgressDeployment:
         engine requests it sent to the engines."""
         sent = self.to_engine.admission
         return {"replica": self.replica, "admitted_jobs": len(self.transport), "kept_streams": len(self.kept),
-                "kept_bytes": self.kept.nbytes,
+                "kept_bytes": self.kept.nbytes, "migrations": self.egress.migrations,
                 "engine_admission_calls": sent.calls_sent, "engine_admission_requests": sent.items_sent,
                 "open_engine_calls": self.to_engine.open_calls}
 

@@ -35,10 +35,13 @@ from typing import Any
 from stages.api.render import LogprobFormatter, renderer, sse_event, usage
 from stages.api.tool_calls import ToolCallStreamParser, parse_tool_calls
 from stages.egress.detokenizer import IncrementalDetokenizer
+from stages.egress.migration import engine_lost
 from stages.engine.core.errors import EngineOverloadedError
 from stages.errors import EngineUnavailableError, unwrap_error
+from stages.telemetry import extract, get_tracer
 from stages.transport.messages import (
     AbortRequest,
+    EngineMoved,
     EngineOutput,
     EngineRequest,
     GenerationJob,
@@ -63,6 +66,8 @@ class EngineStream:
 EngineOpen = Callable[[Any], EngineStream]
 #: Sends an :class:`AbortRequest` to the engine replica it names.
 EngineAbort = Callable[[AbortRequest], Awaitable[None]]
+#: The engine replicas that are healthy now (their names), for a move off a lost one.
+HealthyEngines = Callable[[], Awaitable[list[str]]]
 
 
 @dataclass
@@ -82,18 +87,29 @@ class _Choice:
     first: bool = True
     #: Streaming with tools: splits the text into content and ``<tool_call>`` blocks.
     tool_parser: ToolCallStreamParser | None = None
+    #: The token ids generated so far (what a move to another engine replica carries over).
+    token_ids: list[int] = field(default_factory=list)
+    #: Moved to another engine replica: usage and TTFT parts stay those of the first one.
+    moved: bool = False
 
 
 class Egress:
     """Runs one generation job against the engine and renders OpenAI output."""
 
     def __init__(self, tokenizer: Any, engine_open: EngineOpen, engine_abort: EngineAbort | None = None,
-                 max_engine_attempts: int = 4) -> None:
+                 max_engine_attempts: int = 4, max_migrations: int = 0,
+                 healthy_engines: HealthyEngines | None = None) -> None:
         self.tokenizer = tokenizer
         self.engine_open = engine_open
         self.engine_abort = engine_abort
         self.max_engine_attempts = max_engine_attempts
         self.logprob_fmt = LogprobFormatter(tokenizer)
+        #: Moves of a request to another engine replica allowed (:mod:`stages.egress.migration`).
+        self.max_migrations = max_migrations
+        self.healthy_engines = healthy_engines
+        #: Requests moved, and the tokens (prompt and carried over) the new replicas computed again.
+        self.migrations = 0
+        self.recomputed_tokens = 0
 
     # -- per item -----------------------------------------------------------------------------------
     def _new_choice(self, job: GenerationJob, index: int) -> _Choice:
@@ -111,9 +127,11 @@ class Egress:
     def _consume(self, job: GenerationJob, c: _Choice, out: EngineOutput) -> dict[str, Any] | None:
         """Fold one engine output into its choice; return the stream chunk to send, if any."""
         c.num_tokens += len(out.new_token_ids)
-        if out.num_prompt_tokens:
-            c.num_prompt_tokens, c.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
-        c.engine_timings.update(out.timings)
+        c.token_ids.extend(out.new_token_ids)
+        if not c.moved:
+            if out.num_prompt_tokens:
+                c.num_prompt_tokens, c.num_cached_tokens = out.num_prompt_tokens, out.num_cached_tokens
+            c.engine_timings.update(out.timings)
         update = c.detok.add(out.new_token_ids)
         text = update.text
         finish = out.finish_reason
@@ -180,10 +198,9 @@ class Egress:
                                  usage(summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens))
 
     # -- the engine stream ---------------------------------------------------------------------------
-    async def _open_accepted(self, job: GenerationJob) -> tuple[EngineStream, EngineOutput]:
+    async def _open_accepted(self, request: EngineRequest) -> tuple[EngineStream, EngineOutput]:
         """Open the engine stream and wait for its acceptance item. A full queue is retried on
         another replica; the 429 reaches the client only when every replica tried refused."""
-        request = job.engine_request
         for attempt in range(self.max_engine_attempts):
             stream = self.engine_open(request)
             try:
@@ -198,20 +215,50 @@ class Egress:
                 request = dataclasses.replace(request, avoid_replicas=[*request.avoid_replicas, refused.replica])
         raise AssertionError("unreachable")
 
-    async def stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary]:
+    async def stream(self, job: GenerationJob) -> AsyncIterator[StreamStart | StreamFrame | StreamSummary | EngineMoved]:
         """:class:`StreamStart` once the engine accepted, a :class:`StreamFrame` per SSE event
-        (streaming only), then the :class:`StreamSummary` (with the body when not streaming)."""
+        (streaming only), then the :class:`StreamSummary` (with the body when not streaming). If
+        the engine replica is lost, the request moves to another (:mod:`stages.egress.migration`)
+        and an :class:`EngineMoved` says where."""
         choices = [self._new_choice(job, i) for i in range(job.n)]
-        stream, accepted = await self._open_accepted(job)
+        stream, accepted = await self._open_accepted(job.engine_request)
         replica = accepted.replica or ""
-        busy, event_id = 0.0, 0
+        busy, event_id, moves = 0.0, 0, 0
+        move: _Move | None = None
         open_choices = set(range(job.n))
         try:
             yield StreamStart(engine_replica=replica, engine_request_ids=[c.engine_id for c in choices],
                               prompt_tokens=accepted.num_prompt_tokens)
             pending = [[accepted]]
             while open_choices:
-                outs = pending.pop() if pending else await stream.items.__anext__()
+                if pending:
+                    outs = pending.pop()
+                else:
+                    try:
+                        outs = await stream.items.__anext__()
+                    except (Exception, StopAsyncIteration) as exc:  # noqa: BLE001 - sorted below
+                        if not engine_lost(exc) or not await self._may_move(job, moves, replica):
+                            if isinstance(exc, StopAsyncIteration):
+                                # The engine ends a stream only once every choice has finished, so
+                                # an early end means the call was lost with its replica.
+                                raise EngineUnavailableError(
+                                    "The engine stream ended before the request finished: the engine replica "
+                                    "was lost. Retry.") from None
+                            raise
+                        moves += 1
+                        move = _Move(job, replica, len(choices[0].token_ids))
+                        await stream.close()
+                        stream, accepted = await self._open_accepted(dataclasses.replace(
+                            job.engine_request, output_token_ids=list(choices[0].token_ids), route=None,
+                            avoid_replicas=[*job.engine_request.avoid_replicas, replica]))
+                        replica = accepted.replica or ""
+                        move.accepted(replica)
+                        choices[0].moved = True
+                        self.migrations += 1
+                        self.recomputed_tokens += len(job.engine_request.prompt_token_ids) + move.carried
+                        yield EngineMoved(replica, [c.engine_id for c in choices])
+                        pending = [[accepted]]
+                        continue
                 t0 = time.perf_counter()
                 frames: list[StreamFrame] = []
                 stopped: list[str] = []
@@ -219,6 +266,9 @@ class Egress:
                     c = choices[out.index]
                     if c.index not in open_choices:
                         continue  # e.g. the abort that follows a stop string Egress found
+                    if move is not None and out.new_token_ids:
+                        move.resumed()  # the first token from the new replica: the move is over
+                        move = None
                     chunk = self._consume(job, c, out)
                     if c.finish_reason is not None:
                         open_choices.discard(c.index)
@@ -234,14 +284,9 @@ class Egress:
                     await self.engine_abort(AbortRequest(replica, stopped))
                 for frame in frames:
                     yield frame
-        except StopAsyncIteration:
-            # The engine ends a stream only once every choice has finished, so an early end means
-            # the call was lost with its replica (a killed replica's stream can end cleanly).
-            if open_choices:
-                raise EngineUnavailableError(
-                    "The engine stream ended before the request finished: the engine replica was lost. "
-                    "Retry.") from None
         finally:
+            if move is not None:
+                move.resumed()
             await stream.close()  # aborts in the engine whatever is still running there
         summary = self._summary(choices, busy)
         summary.num_events = event_id
@@ -251,3 +296,33 @@ class Egress:
             summary.body = self._body(job, choices, summary)
             summary.egress_busy += time.perf_counter() - t0
         yield summary
+
+    async def _may_move(self, job: GenerationJob, moves: int, lost: str) -> bool:
+        """Whether a request whose engine replica ``lost`` is gone may move to another one."""
+        if job.n != 1 or moves >= self.max_migrations:
+            return False
+        if self.healthy_engines is None:
+            return True
+        try:
+            return any(r != lost for r in await self.healthy_engines())
+        except Exception:  # noqa: BLE001 - nobody to ask: the old error path
+            return False
+
+
+class _Move:
+    """The span of one move (:mod:`stages.egress.migration`): from the loss to the first token
+    from the new replica, with where from and to, the tokens carried over and the time lost."""
+
+    def __init__(self, job: GenerationJob, lost: str, carried: int) -> None:
+        self.carried = carried
+        self.t0 = time.perf_counter()
+        self.span = get_tracer().start_span("migration", context=extract(job.engine_request.trace_context),
+                                            attributes={"lifecycle.migration.from": lost,
+                                                        "lifecycle.migration.tokens_carried": carried})
+
+    def accepted(self, replica: str) -> None:
+        self.span.set_attribute("lifecycle.migration.to", replica)
+
+    def resumed(self) -> None:
+        self.span.set_attribute("lifecycle.migration.time_lost_ms", (time.perf_counter() - self.t0) * 1000)
+        self.span.end()

@@ -38,9 +38,11 @@ OTHER_ITEM_BYTES = 512
 
 
 def item_bytes(item: Any) -> int:
-    """What one recorded channel item costs the record: a frame's text, else a small constant."""
+    """What one recorded channel item costs the record: a frame's text in UTF-8, else a small
+    constant."""
     if isinstance(item, RoutedFrame) and isinstance(item.item, StreamFrame):
-        return len(item.item.data)
+        data = item.item.data
+        return len(data) if data.isascii() else len(data.encode())
     return OTHER_ITEM_BYTES
 
 
@@ -137,6 +139,10 @@ class ResumeStore:
         if kept.nbytes > kept.terms.max_bytes:
             kept.items, kept.nbytes, kept.dropped = [], 0, True
             self.dropped += 1
+            if not kept.attached and not kept.finished:
+                # Nobody can get all of it any more: stop it now; the record stays, empty, so a
+                # reconnect within the grace period learns why.
+                self.on_expire(request_id, True)
 
     def detach(self, request_id: str) -> bool:
         """The client left: keep the stream for its grace period. False when it is not kept (not
@@ -154,8 +160,8 @@ class ResumeStore:
         return True
 
     def finish(self, request_id: str) -> None:
-        """The stream's last item is recorded: keep it ``grace_s`` more (or what a detached one
-        has left, if that is longer)."""
+        """The stream's last item is recorded: keep it ``grace_s`` more (the client may have lost
+        the last events just before it left)."""
         kept = self._kept.get(request_id)
         if kept is None:
             return
@@ -163,8 +169,7 @@ class ResumeStore:
             self._forget(kept)
             return
         kept.finished = True
-        left = (kept.expires_at - time.monotonic()) if kept.expires_at is not None else 0.0
-        self._expire_in(kept, max(left, kept.terms.grace_s))
+        self._expire_in(kept, kept.terms.grace_s)
 
     def take(self, request_id: str, after: int) -> tuple[Kept, list[Any]]:
         """A reconnect: the stream's recorded items after event ``after`` (the summary and any

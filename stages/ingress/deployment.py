@@ -72,6 +72,7 @@ from stages.transport.consumer import Consumer
 from stages.transport.liveness import own_actor_name, own_replica_id
 from stages.transport.messages import (
     AbortRequest,
+    EngineMoved,
     GenerationJob,
     PreprocessRequest,
     ResumeStart,
@@ -292,6 +293,8 @@ class Ingress:
         async for item in relay(gen, keepalive_s=3600.0, deadline=self._deadline(live)):
             if isinstance(item, StreamSummary):
                 summary = item
+            elif isinstance(item, EngineMoved):
+                self.lifecycle.moved(live, item)
         assert summary is not None and summary.body is not None
         timings = self._timings(live, summary)
         body = summary.body

@@ -30,7 +30,7 @@ from typing import Any
 
 from stages.api.kinds import ApiKind
 from stages.api.render import renderer
-from stages.transport.messages import AbortRequest, LiveEntry, StreamStart
+from stages.transport.messages import AbortRequest, EngineMoved, LiveEntry, StreamStart
 
 logger = logging.getLogger("lifecycle.ingress")
 
@@ -196,6 +196,13 @@ class Lifecycle:
         live.engine_ids = list(start.engine_request_ids)
         if live.cancel_requested:
             self._send_abort(live)
+
+    def moved(self, live: LiveRequest, moved: EngineMoved) -> None:
+        """The request moved to another engine replica (its first was lost): a cancel by id and
+        the liveness check follow it there."""
+        live.engine_replica = moved.engine_replica
+        live.engine_ids = list(moved.engine_request_ids)
+        live.span.add_event("engine_moved", {"lifecycle.engine_replica": moved.engine_replica})
 
     def close(self, live: LiveRequest, outcome: Outcome | None = None, summary: Any = None,
               timings: dict[str, float] | None = None) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 from typing import Any
 
@@ -30,6 +31,7 @@ RESUMABLE_HEADER = "x-resumable"
 #: Seconds a reconnect waits for the old connection of its stream to be noticed gone.
 SETTLE_S = 1.0
 SETTLE_POLL_S = 0.05
+_EVENT_ID = re.compile(r"-?[0-9]+")
 
 
 def resume_grace(header: str | None, default: float) -> float:
@@ -55,7 +57,7 @@ def last_event_id(headers: Any, query: Any) -> int:
         raw, param = query.get("starting_after"), "starting_after"
     if raw is None or raw == "":
         return -1
-    if not raw.lstrip("-").isdigit() or int(raw) < -1:
+    if not _EVENT_ID.fullmatch(raw) or int(raw) < -1:
         raise InvalidRequestError(f"{param} must be the integer id of the last event received.", param=param)
     return int(raw)
 

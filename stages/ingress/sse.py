@@ -33,7 +33,14 @@ from stages.errors import EngineUnavailableError, InternalServerError, RequestTi
 from stages.ingress.backpressure import StreamBuffer
 from stages.ingress.http_errors import to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
-from stages.transport.messages import GenerationJob, ResumeStart, StreamFrame, StreamStart, StreamSummary
+from stages.transport.messages import (
+    EngineMoved,
+    GenerationJob,
+    ResumeStart,
+    StreamFrame,
+    StreamStart,
+    StreamSummary,
+)
 
 logger = logging.getLogger("lifecycle.ingress")
 
@@ -170,6 +177,8 @@ def sse_response(gen: Any, job: GenerationJob | ResumeStart, live: LiveRequest, 
                 async for item in items:
                     if item is None:
                         emit(SSE_KEEPALIVE)
+                    elif isinstance(item, EngineMoved):
+                        lifecycle.moved(live, item)
                     elif isinstance(item, StreamFrame):
                         events = item.event_id + 1 if item.event_id >= 0 else events + 1
                         live.mark_tokens(item.num_tokens)

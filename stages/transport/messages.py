@@ -215,6 +215,10 @@ class EngineRequest:
     grammar: GrammarSpec | None = None
     #: Set by the engine router when it places the request (:mod:`stages.routing`).
     route: RouteNote | None = None
+    #: A request moved off a lost engine replica (``n == 1``): the tokens it had generated. This
+    #: replica computes prompt and these, then goes on as if it had sampled them itself (they
+    #: count toward ``max_tokens``, penalties, the grammar and the seeded position).
+    output_token_ids: list[int] = field(default_factory=list)
 
     def choice_ids(self) -> list[str]:
         """The engine request id of every choice, in choice order."""
@@ -404,6 +408,15 @@ class StreamStart:
 
 
 @dataclass
+class EngineMoved:
+    """A request moved to another engine replica (its first one was lost,
+    :mod:`stages.egress.migration`): where it runs now, for a cancel by id and the liveness check."""
+
+    engine_replica: str
+    engine_request_ids: list[str]
+
+
+@dataclass
 class StreamFrame:
     """One SSE event of a streamed response: its text and what it carries."""
 
@@ -447,7 +460,7 @@ class RoutedFrame:
     or the summary (always last)."""
 
     request_id: str
-    item: StreamFrame | BodyPart | StreamSummary
+    item: StreamFrame | BodyPart | StreamSummary | EngineMoved
 
     @property
     def nbytes(self) -> int:

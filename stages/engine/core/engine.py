@@ -119,8 +119,12 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float | None = None, grammar: GrammarSpec | None = None,
-                    grammar_template: Any = None) -> Request:
+                    grammar_template: Any = None, output_token_ids: list[int] | None = None) -> Request:
         """Validate and enqueue a tokenised request.
+
+        ``output_token_ids``: tokens the request already generated elsewhere (it moved off a lost
+        replica). They are computed with the prompt and then count as this request's own output,
+        as after a preemption by recompute.
 
         ``grammar`` constrains the output; its matcher template must already be built
         (``grammars.prepare``, off this thread), or be passed as ``grammar_template``: this method
@@ -140,13 +144,26 @@ class LLMEngine:
             raise RequestRejectedError(f"token ids must be in [0, {self.vocab_size})")
         if params.max_tokens < 1:
             raise RequestRejectedError("max_tokens must be >= 1")
+        done = list(output_token_ids or ())
+        if done:
+            if len(done) >= params.max_tokens or n + len(done) >= self.max_model_len:
+                raise RequestRejectedError("the request has no tokens left to generate")
+            if min(done) < 0 or max(done) >= self.vocab_size:
+                raise RequestRejectedError(f"token ids must be in [0, {self.vocab_size})")
         state = None
         if grammar is not None:
             if self.grammars is None:
                 raise RequestRejectedError("structured outputs are not available on this engine")
             state = self.grammars.new_state(grammar, grammar_template)
+            if done:
+                state.sync(done)  # the grammar's state after what was generated
+                if state.error is not None:
+                    raise RequestRejectedError(f"the tokens carried over do not match the grammar: {state.error}")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids,
                       **({"arrival_time": arrival_time} if arrival_time is not None else {}))
+        if done:
+            req.output_token_ids = done
+            req.all_token_ids.extend(done)
         req.grammar = state
         self.requests[request_id] = req
         self.scheduler.add(req)

@@ -8,8 +8,11 @@ logprobs (the common decode step) is one argmax and one ``.tolist()``. The engin
 
 Sampling uses the exponential race: ``argmax(probs / q)`` with ``q ~ Exponential(1)`` per token is
 an exact draw from ``probs`` (and needs no normalisation, so masked probabilities can simply be
-zeroed). A seeded request draws its ``q`` from its own generator, ``V`` numbers per step, so its
-tokens depend only on its seed and its own logits, not on its batch neighbours or their order.
+zeroed). A seeded request draws its ``q`` from its own generator, ``V`` numbers per step, seeded
+afresh at each step from (seed, position in the output) (:func:`step_seed`): its tokens depend
+only on its seed and its own logits, not on its batch neighbours, their order, or which replica
+drew the earlier ones (a request moved to another replica after k tokens draws there what the
+first would have drawn at k).
 """
 
 from __future__ import annotations
@@ -28,6 +31,18 @@ logger = logging.getLogger(__name__)
 #: Temperatures below this are greedy (as in vLLM): dividing float32 logits by a near-zero
 #: temperature overflows to inf and turns the softmax into NaN.
 _SAMPLING_EPS = 1e-5
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def step_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw for output token ``position``: SplitMix64 of
+    the pair, so neighbouring positions and seeds get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 @dataclass
@@ -274,6 +289,7 @@ class Sampler:
                 row = rows[i]
                 if row.generator is None:
                     row.generator = self.make_generator(row.params.seed, self.device)
+                row.generator.manual_seed(step_seed(row.params.seed, len(row.output_token_ids)))
                 # Drawn on the generator's device (a CPU generator cannot feed a CUDA kernel),
                 # always exactly ``vocab`` numbers, so the stream advances the same every step.
                 q[i] = torch.empty(vocab, device=row.generator.device).exponential_(

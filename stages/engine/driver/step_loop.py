@@ -252,7 +252,8 @@ class StepLoop:
                     f"The server is busy: {waiting} requests are waiting (limit {self.max_waiting}). "
                     "Retry later.", replica=self.replica, retry_after=1.0)
             req = self.engine.add_request(add.request_id, request.prompt_token_ids, add.params, add.arrival,
-                                          grammar=request.grammar, grammar_template=add.grammar_template)
+                                          grammar=request.grammar, grammar_template=add.grammar_template,
+                                          output_token_ids=request.output_token_ids)
             req.trace = request.trace_context or None
             req.route = request.route
             if add.index == 0:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from stages.directory.directory import LiveDirectory
-from stages.transport.messages import AbortRequest, EngineReport, LiveEntry
+from stages.directory.directory import KEPT_MARGIN_S, LiveDirectory
+from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, ResumeLookup
 
 
 def entry(rid: str, owner: str = "a", label: str | None = None, key: str | None = None) -> LiveEntry:
@@ -67,3 +67,80 @@ def test_aborts_forwarded_for_a_draining_replica_reach_it_once_and_expire_if_it_
     assert d.num_forwarded() == 1
     d.prune(now=time.monotonic() + 31)
     assert d.num_forwarded() == 0, "a replica that never asks (it died, and its requests) lets them expire"
+
+
+# -- kept (resumable) streams ------------------------------------------------------------------------------
+def test_keep_replaces_the_live_entry_so_a_cancel_no_longer_finds_it():
+    """keep: the Ingress's entry goes (nobody holds its connection); the Egress keeps the stream."""
+    d = LiveDirectory()
+    d.sync("ingress-a", [entry("r1", owner="ingress-a", label="L"), entry("r2", owner="ingress-a")], [])
+    d.keep(entry("r1", owner="egress-A", label="L"), 30.0)
+    assert "r1" not in d.entries and set(d.entries) == {"r2"}
+    assert d.cancel("chatcmpl-r1") == [] and d.cancel("L") == []
+    assert d.take_cancels("ingress-a") == []
+    assert d.num_kept() == 1
+
+
+def test_resume_lookup_finds_a_kept_stream_by_response_id_server_id_and_label():
+    """A kept stream is named by its response id, its server id, or its client label."""
+    d = LiveDirectory()
+    kept = entry("r1", owner="egress-A", label="L")
+    d.keep(kept, 30.0)
+    for key in ("chatcmpl-r1", "r1", "L"):
+        assert d.resume_lookup(key) == ResumeLookup(kept=[kept], attached=0), key
+    assert d.resume_lookup("chatcmpl-r9") == ResumeLookup(kept=[], attached=0)
+    assert d.resume_lookup("M") == ResumeLookup(kept=[], attached=0)
+
+
+def test_resume_lookup_only_shows_a_stream_to_the_key_that_created_it():
+    """With API keys on, a kept stream is found only with its creating key."""
+    d = LiveDirectory()
+    d.keep(entry("r1", owner="egress-A", key="k1"), 30.0)
+    d.sync("ingress-a", [entry("r2", owner="ingress-a", key="k1")], [])
+    assert d.resume_lookup("chatcmpl-r1", "k2").kept == [] and d.resume_lookup("chatcmpl-r1").kept == []
+    assert [e.request_id for e in d.resume_lookup("chatcmpl-r1", "k1").kept] == ["r1"]
+    assert d.resume_lookup("r2", "k2").attached == 0 and d.resume_lookup("r2", "k1").attached == 1
+
+
+def test_resume_lookup_counts_the_live_requests_the_key_names_as_attached():
+    """Live entries (a connection is attached) are counted, not returned as kept."""
+    d = LiveDirectory()
+    d.sync("ingress-a", [entry("r2", owner="ingress-a", label="L"), entry("r3", owner="ingress-a", label="L")], [])
+    d.keep(entry("r1", owner="egress-A", label="L"), 30.0)
+    found = d.resume_lookup("L")
+    assert [e.request_id for e in found.kept] == ["r1"] and found.attached == 2
+    assert d.resume_lookup("chatcmpl-r2") == ResumeLookup(kept=[], attached=1)
+
+
+def test_unkeep_forgets_a_kept_stream_and_its_names():
+    """unkeep (taken again, or expired in its Egress): no lookup finds it; unknown ids are ignored."""
+    d = LiveDirectory()
+    d.keep(entry("r1", owner="egress-A", label="L"), 30.0)
+    d.unkeep("r1")
+    d.unkeep("r1")
+    assert d.num_kept() == 0
+    for key in ("chatcmpl-r1", "r1", "L"):
+        assert d.resume_lookup(key) == ResumeLookup(), key
+
+
+def test_a_kept_entry_expires_a_margin_after_its_grace_period():
+    """prune drops a kept entry once seconds + KEPT_MARGIN_S have passed (its Egress may have died)."""
+    d = LiveDirectory()
+    now = time.monotonic()
+    d.keep(entry("r1", owner="egress-A", label="L"), 10.0, now=now)
+    d.prune(now=now + 10.0 + KEPT_MARGIN_S - 0.5)
+    assert d.num_kept() == 1
+    d.prune(now=now + 10.0 + KEPT_MARGIN_S + 0.5)
+    assert d.num_kept() == 0 and d.resume_lookup("L") == ResumeLookup()
+
+
+def test_keeping_a_stream_again_pushes_its_expiry_back():
+    """A second keep (detached again after a reconnect) restarts the entry's deadline."""
+    d = LiveDirectory()
+    now = time.monotonic()
+    d.keep(entry("r1", owner="egress-A"), 10.0, now=now)
+    d.keep(entry("r1", owner="egress-A"), 10.0, now=now + 8.0)
+    d.prune(now=now + 10.0 + KEPT_MARGIN_S + 1.0)
+    assert d.num_kept() == 1
+    d.prune(now=now + 18.0 + KEPT_MARGIN_S + 1.0)
+    assert d.num_kept() == 0

@@ -298,6 +298,172 @@ async def test_a_consumer_that_died_has_its_jobs_ended_and_its_mailbox_dropped()
     await assert_no_leaks([], [egress])
 
 
+# -- resumable jobs: detach, retarget, record, keep, on_end ----------------------------------------------------
+class Resumable:
+    """Starts FakeEgress jobs with ``record`` (every list of items due), ``keep`` and ``on_end``."""
+
+    def __init__(self, egress: FakeEgress, keep: bool = True) -> None:
+        self.egress = egress
+        self.recorded: list[Any] = []
+        self.keep_answer = keep
+        self.keep_calls = 0
+        self.ends = 0
+
+    def _keep(self) -> bool:
+        self.keep_calls += 1
+        return self.keep_answer
+
+    def _end(self) -> None:
+        self.ends += 1
+
+    def start(self, job: Any) -> producer_module.Job:
+        return dataclasses.replace(self.egress.job(job), record=self.recorded.extend, keep=self._keep,
+                                   on_end=self._end)
+
+    async def submit(self, *jobs: Any) -> None:
+        replies = await self.egress.producer.submit(AdmissionBatch(list(jobs)), self.start)
+        assert all(r.error is None for r in replies)
+
+
+@run_async
+async def test_a_detached_job_records_its_items_and_pushes_them_to_no_mailbox() -> None:
+    """After detach, a job's items reach its record callback only, never a consumer's mailbox."""
+    egress = FakeEgress("egress-A")
+    jobs = Resumable(egress)
+    await jobs.submit(generation_job("r1"))
+    reader = Reader(egress.producer, "ingress-1")
+    egress.send("r1", frame("a"))
+    await wait_until(lambda: len(reader.items) == 1)
+    assert egress.producer.detach("r1") is True
+    assert egress.producer.detach("nope") is False
+    assert len(egress.producer.consumers) == 0, "no consumer to watch while detached"
+    egress.send("r1", frame("b"))
+    await wait_until(lambda: len(jobs.recorded) == 2)
+    await reader.ended()  # its mailbox has no live request left: the attach ends
+    assert routed(reader.items) == [("r1", "data: a\n\n")]
+    assert routed(jobs.recorded) == [("r1", "data: a\n\n"), ("r1", "data: b\n\n")]
+    assert egress.producer.hub.num_pending() == 0 and egress.finally_ran == []
+    egress.send("r1", summary(), END)
+    await wait_until(lambda: egress.finally_ran == ["r1"])
+    assert routed(jobs.recorded)[-1] == ("r1", "StreamSummary")
+    await assert_no_leaks([], [egress])
+
+
+@run_async
+async def test_retarget_sends_the_replayed_items_first_then_the_live_ones() -> None:
+    """retarget: the new consumer's mailbox gets the missed items, then the job's own, in order."""
+    egress = FakeEgress("egress-A")
+    jobs = Resumable(egress)
+    await jobs.submit(generation_job("r1"))
+    egress.send("r1", frame("a"))
+    await wait_until(lambda: len(jobs.recorded) == 1)
+    egress.producer.detach("r1")
+    egress.send("r1", frame("b"))
+    await wait_until(lambda: len(jobs.recorded) == 2)
+    egress.producer.retarget("r1", "ingress-2", list(jobs.recorded))
+    assert len(egress.producer.consumers) == 1, "the new consumer is watched"
+    egress.send("r1", frame("c"), summary(), END)
+    reader = Reader(egress.producer, "ingress-2")
+    await reader.ended()
+    assert routed(reader.items) == [("r1", "data: a\n\n"), ("r1", "data: b\n\n"), ("r1", "data: c\n\n"),
+                                    ("r1", "StreamSummary")]
+    assert len(jobs.recorded) == 4, "a retargeted job records on"
+    await assert_no_leaks([], [egress])
+
+
+@run_async
+async def test_retarget_of_a_job_still_attached_moves_its_live_items_to_the_new_consumer() -> None:
+    """retarget of a job with a consumer: later items go to the new one, not the old one."""
+    egress = FakeEgress("egress-A")
+    jobs = Resumable(egress)
+    await jobs.submit(generation_job("r1", "ingress-1"))
+    old = Reader(egress.producer, "ingress-1")
+    egress.producer.retarget("r1", "ingress-2", [])
+    egress.send("r1", frame("x"), summary(), END)
+    new = Reader(egress.producer, "ingress-2")
+    await new.ended()
+    await old.ended()
+    assert routed(new.items) == [("r1", "data: x\n\n"), ("r1", "StreamSummary")]
+    assert old.items == []
+    await assert_no_leaks([], [egress])
+
+
+@run_async
+async def test_retarget_of_a_finished_job_delivers_just_the_items() -> None:
+    """A job that ended before its reconnect: retarget's items are all its new consumer gets."""
+    egress = FakeEgress("egress-A")
+    jobs = Resumable(egress)
+    await jobs.submit(generation_job("r1"))
+    egress.producer.detach("r1")
+    egress.send("r1", frame("a"), summary(), END)
+    await wait_until(lambda: egress.finally_ran == ["r1"])
+    egress.producer.retarget("r1", "ingress-2", list(jobs.recorded))
+    reader = Reader(egress.producer, "ingress-2")
+    await reader.ended()
+    assert routed(reader.items) == [("r1", "data: a\n\n"), ("r1", "StreamSummary")]
+    assert len(egress.producer.consumers) == 0, "nothing runs: nothing to watch"
+    await assert_no_leaks([], [egress])
+
+
+@run_async
+async def test_on_end_runs_once_when_the_job_ends_or_is_ended() -> None:
+    """on_end runs exactly once per job: after its last item, or when it is cancelled."""
+    egress = FakeEgress("egress-A")
+    jobs = Resumable(egress)
+    await jobs.submit(generation_job("r1"), generation_job("r2"))
+    reader = Reader(egress.producer, "ingress-1")
+    egress.send("r1", frame("a"))
+    await wait_until(lambda: len(jobs.recorded) == 1)
+    assert jobs.ends == 0
+    egress.send("r1", summary(), END)
+    await wait_until(lambda: egress.finally_ran == ["r1"])
+    await asyncio.sleep(0.02)
+    assert jobs.ends == 1
+    egress.producer.end(["r2"])
+    await wait_until(lambda: egress.finally_ran == ["r1", "r2"])
+    await asyncio.sleep(0.02)
+    assert jobs.ends == 2
+    await reader.ended()
+    await assert_no_leaks([], [egress])
+
+
+@run_async
+async def test_a_job_whose_consumer_died_is_detached_when_keep_says_so() -> None:
+    """Consumer gone and keep() True: the job runs on detached (recording), its mailbox is dropped."""
+    egress = FakeEgress("egress-A")
+    jobs = Resumable(egress, keep=True)
+    await jobs.submit(generation_job("r1", "ingress-dead"))
+    egress.send("r1", frame("a"))
+    await wait_until(lambda: len(jobs.recorded) == 1)
+    egress.dead.add("ingress-dead")
+    await wait_until(lambda: jobs.keep_calls == 1)
+    await wait_until(lambda: "ingress-dead" not in egress.producer.hub._boxes)
+    assert egress.finally_ran == [] and len(egress.producer) == 1, "not cancelled"
+    assert len(egress.producer.consumers) == 0
+    egress.send("r1", frame("b"))
+    await wait_until(lambda: len(jobs.recorded) == 2)
+    assert egress.producer.hub.num_pending() == 0, "pushed nowhere"
+    egress.producer.retarget("r1", "ingress-2", list(jobs.recorded))
+    egress.send("r1", summary(), END)
+    reader = Reader(egress.producer, "ingress-2")
+    await reader.ended()
+    assert routed(reader.items) == [("r1", "data: a\n\n"), ("r1", "data: b\n\n"), ("r1", "StreamSummary")]
+    assert jobs.keep_calls == 1 and jobs.ends == 1
+    await assert_no_leaks([], [egress])
+
+
+@run_async
+async def test_a_job_whose_consumer_died_is_cancelled_when_keep_refuses() -> None:
+    """Consumer gone and keep() False: the job is cancelled as any other."""
+    egress = FakeEgress("egress-A")
+    jobs = Resumable(egress, keep=False)
+    await jobs.submit(generation_job("r1", "ingress-dead"))
+    egress.dead.add("ingress-dead")
+    await wait_until(lambda: egress.finally_ran == ["r1"])
+    assert jobs.keep_calls == 1 and jobs.ends == 1
+    await assert_no_leaks([], [egress])
+
+
 # -- whole bodies in pickled slices -------------------------------------------------------------------------------
 def _joined(items: list[Any]) -> Any:
     """The body the :class:`BodyPart` items among ``items`` carry, unpickled."""

@@ -1,0 +1,119 @@
+"""Requests that move off a killed engine replica (the app with every stage at 2 replicas): the
+clients see one uninterrupted stream with the full token count and the text of a run that never
+moved, greedy or seeded. (With no other engine left the client gets the old error event:
+``tests/app/test_faults.py::test_engine_replica_killed_mid_stream``, on a one-engine app.)
+
+The engine killed here is replaced by Serve; the last test waits for both engines again, since
+other tests share this app."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL_NAME
+from tests.fault_harness import replica_actors
+from tests.sse_events import Events
+
+pytestmark = pytest.mark.serve
+
+CHAT = "/v1/chat/completions"
+TOKENS = 64
+STREAMS = 8
+
+
+def _body(content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, "temperature": 0, **extra}
+
+
+def _run(url: str, body: dict[str, Any], started: list[int] | None = None) -> Events:
+    with httpx.Client(timeout=180) as client, client.stream("POST", url + CHAT, json=body) as resp:
+        events = Events().read(resp, stop=3)
+        if started is not None:
+            started.append(1)
+        return events.read(resp)
+
+
+def _engines(app: Any) -> list[Any]:
+    return [r for r in app.engine_reports() if r.healthy]
+
+
+def _kill_busiest_engine(app: Any) -> str:
+    """SIGKILL the engine replica running the most requests (as its latest report says); returns
+    its name."""
+    deadline = time.monotonic() + 5
+    while True:
+        reports = sorted(_engines(app), key=lambda r: r.stats["num_running"], reverse=True)
+        if reports and reports[0].stats["num_running"] > 0:
+            break
+        assert time.monotonic() < deadline, [r.stats["num_running"] for r in reports]
+        time.sleep(0.05)
+    victim = reports[0].replica
+    (actor,) = [a for a in replica_actors(app.name)["Engine"] if a["name"].endswith(victim)]
+    os.kill(actor["pid"], signal.SIGKILL)
+    return victim
+
+
+def _wait_two_idle_engines(app: Any, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        reports = _engines(app)
+        if len(reports) == 2 and all(r.stats["num_running"] == 0 and r.stats["num_free_blocks"] == r.stats["num_kv_blocks"]
+                                     for r in reports):
+            return
+        assert time.monotonic() < deadline, "the killed engine was not replaced"
+        time.sleep(0.5)
+
+
+def _check(run: Events, clean: Events) -> None:
+    assert run.events[-1][1] == "[DONE]" and all('"error"' not in d for _, d in run.events), run.events[-3:]
+    assert run.ids() == list(range(len(run.events)))
+    assert run.usage()["completion_tokens"] == TOKENS and run.finish_reason() == "length"
+    assert run.text() == clean.text()
+
+
+@pytest.fixture(scope="module")
+def app(serve_app_replicas: Any) -> Any:
+    _wait_two_idle_engines(serve_app_replicas)
+    return serve_app_replicas
+
+
+def test_greedy_streams_move_off_a_killed_engine_without_a_seam(app: Any) -> None:
+    prompt = "Describe a walk along a river in spring."
+    clean = _run(app.url, _body(prompt))
+    started: list[int] = []
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        futures = [pool.submit(_run, app.url, _body(prompt), started) for _ in range(STREAMS)]
+        deadline = time.monotonic() + 60
+        while len(started) < STREAMS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _kill_busiest_engine(app)
+        runs = [f.result(timeout=180) for f in futures]
+    for run in runs:
+        _check(run, clean)
+    metrics = httpx.get(app.url + "/metrics", timeout=30).text
+    moved = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("lifecycle:migrations_total"))
+    assert moved >= 1, "the Egress replicas counted no migration"
+
+
+def test_a_seeded_stream_moved_draws_what_it_would_have(app: Any) -> None:
+    _wait_two_idle_engines(app)
+    body = _body("Invent a name for a new colour.", temperature=1.0, seed=1234)
+    clean = _run(app.url, body)  # alone: batch 1
+    started: list[int] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_run, app.url, body, started)
+        deadline = time.monotonic() + 60
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _kill_busiest_engine(app)
+        run = future.result(timeout=180)
+    _check(run, clean)
+    _wait_two_idle_engines(app)  # others share this app
