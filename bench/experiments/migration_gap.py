@@ -1,0 +1,154 @@
+"""What a move off a killed engine replica costs the client: the time from the kill to the next
+token, against a fresh request's TTFT for a prompt as long as what the move recomputes.
+
+    .venv/bin/python bench/experiments/migration_gap.py --rounds 3 --out bench/results/migration_gap.json
+
+Serves ``serve_config.yaml``'s app args with the Engine at 2 fixed replicas (its own private Ray;
+the CPU stages at one replica each). Each round: one greedy stream (``--prompt-tokens`` of prompt,
+``--max-tokens`` out, ignore_eos) is read until ``--kill-after`` tokens, then the engine replica
+running it is killed with SIGKILL; the client clocks the gap from the kill to its next token and
+checks the stream ends normally with every token. Then, on the surviving engine, a fresh request
+with an uncached prompt of ``prompt + kill_after`` tokens gives the TTFT to compare with. The
+killed replica's replacement is awaited before the next round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def _prompt(tokens: int) -> str:
+    """About ``tokens`` tokens of text no other request shares (one word is about one token)."""
+    tag = uuid.uuid4().hex[:8]
+    return f"[{tag}] Summarise: " + " ".join(f"w{tag}{i % 97}" for i in range(max(1, tokens - 40)))
+
+
+MODEL = {"name": ""}
+
+
+def _body(prompt: str, max_tokens: int) -> dict[str, Any]:
+    return {"model": MODEL["name"], "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def ttft(url: str, prompt: str) -> float:
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/chat/completions", json=_body(prompt, 4), timeout=300) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                return time.perf_counter() - t0
+    raise RuntimeError("no token")
+
+
+def engines(app_name: str) -> dict[str, int]:
+    from tests.fault_harness import replica_actors
+
+    return {a["name"].rsplit("#", 1)[-1]: a["pid"] for a in replica_actors(app_name).get("Engine", [])}
+
+
+def busy_engine(url: str) -> str:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    for line in text.splitlines():
+        if line.startswith("lifecycle:num_requests_running{") and not line.endswith(" 0.0"):
+            return line.split('replica="', 1)[1].split('"', 1)[0]
+    raise RuntimeError("no engine reports a running request")
+
+
+def one_round(url: str, app_name: str, a: argparse.Namespace) -> dict[str, Any]:
+    times: list[float] = []
+    tokens: list[int] = []
+    done: dict[str, Any] = {}
+    reached = threading.Event()
+
+    def client() -> None:
+        with httpx.stream("POST", url + "/v1/chat/completions", json=_body(_prompt(a.prompt_tokens), a.max_tokens),
+                          timeout=300) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    done["error"] = chunk["error"]
+                if chunk.get("usage"):
+                    done["usage"] = chunk["usage"]
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    times.append(time.perf_counter())
+                    tokens.append(len(times))
+                    if len(times) >= a.kill_after:
+                        reached.set()
+
+    t = threading.Thread(target=client)
+    t.start()
+    reached.wait(300)
+    time.sleep(0.3)  # the metrics report catches up (engines report every second)
+    victim = busy_engine(url)
+    pids = engines(app_name)
+    killed_at = time.perf_counter()
+    os.kill(pids[victim], signal.SIGKILL)
+    t.join(300)
+    after = [x for x in times if x > killed_at]
+    before_gaps = [b - a_ for a_, b in zip(times, times[1:], strict=False) if b < killed_at]
+    fresh = ttft(url, _prompt(a.prompt_tokens + a.kill_after))
+    out = {"gap_kill_to_next_token_s": after[0] - killed_at if after else None,
+           "itl_before_p50_s": statistics.median(before_gaps) if before_gaps else None,
+           "fresh_ttft_s": fresh, "completion_tokens": (done.get("usage") or {}).get("completion_tokens"),
+           "error": done.get("error")}
+    deadline = time.monotonic() + 300
+    while len(engines(app_name)) < 2 and time.monotonic() < deadline:
+        time.sleep(1)
+    time.sleep(15)  # the replacement loads its model and starts reporting
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--kill-after", type=int, default=24)
+    p.add_argument("--out", default="bench/results/migration_gap.json")
+    a = p.parse_args()
+    os.environ["RAY_ADDRESS"] = "local"
+    from tests.serve_harness import start_app, stop_app
+
+    args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    options = {"Engine": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}}}
+    url, _ = start_app(args, options=options)
+    MODEL["name"] = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    try:
+        rounds = []
+        for _ in range(a.rounds):
+            r = one_round(url, "lifecycle", a)
+            print(json.dumps(r), flush=True)
+            rounds.append(r)
+        gaps = [r["gap_kill_to_next_token_s"] for r in rounds if r["gap_kill_to_next_token_s"] is not None]
+        fresh = [r["fresh_ttft_s"] for r in rounds]
+        summary = {"gap_p50_s": statistics.median(gaps) if gaps else None, "fresh_ttft_p50_s": statistics.median(fresh),
+                   "ratio": statistics.median(gaps) / statistics.median(fresh) if gaps else None,
+                   "all_complete": all(r["completion_tokens"] == a.max_tokens and r["error"] is None for r in rounds)}
+        print(json.dumps(summary), flush=True)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps({"args": vars(a), "rounds": rounds, "summary": summary}, indent=1))
+    finally:
+        stop_app()
+
+
+if __name__ == "__main__":
+    main()
