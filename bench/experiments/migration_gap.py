@@ -57,6 +57,14 @@ def ttft(url: str, prompt: str) -> float:
     raise RuntimeError("no token")
 
 
+def complete(url: str, prompt: str, max_tokens: int) -> str:
+    """The same greedy request, run without a move (its text, to compare)."""
+    body = {**_body(prompt, max_tokens), "stream": False}
+    body.pop("stream_options")
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    return r.json()["choices"][0]["message"]["content"]
+
+
 def engines(app_name: str) -> dict[str, int]:
     from tests.fault_harness import replica_actors
 
@@ -74,11 +82,13 @@ def busy_engine(url: str) -> str:
 def one_round(url: str, app_name: str, a: argparse.Namespace) -> dict[str, Any]:
     times: list[float] = []
     tokens: list[int] = []
+    text: list[str] = []
     done: dict[str, Any] = {}
     reached = threading.Event()
+    prompt = _prompt(a.prompt_tokens)
 
     def client() -> None:
-        with httpx.stream("POST", url + "/v1/chat/completions", json=_body(_prompt(a.prompt_tokens), a.max_tokens),
+        with httpx.stream("POST", url + "/v1/chat/completions", json=_body(prompt, a.max_tokens),
                           timeout=300) as resp:
             for line in resp.iter_lines():
                 if not line.startswith("data: {"):
@@ -89,6 +99,7 @@ def one_round(url: str, app_name: str, a: argparse.Namespace) -> dict[str, Any]:
                 if chunk.get("usage"):
                     done["usage"] = chunk["usage"]
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    text.append(chunk["choices"][0]["delta"]["content"])
                     times.append(time.perf_counter())
                     tokens.append(len(times))
                     if len(times) >= a.kill_after:
@@ -106,10 +117,11 @@ def one_round(url: str, app_name: str, a: argparse.Namespace) -> dict[str, Any]:
     after = [x for x in times if x > killed_at]
     before_gaps = [b - a_ for a_, b in zip(times, times[1:], strict=False) if b < killed_at]
     fresh = ttft(url, _prompt(a.prompt_tokens + a.kill_after))
+    unmoved = complete(url, prompt, a.max_tokens)
     out = {"gap_kill_to_next_token_s": after[0] - killed_at if after else None,
            "itl_before_p50_s": statistics.median(before_gaps) if before_gaps else None,
            "fresh_ttft_s": fresh, "completion_tokens": (done.get("usage") or {}).get("completion_tokens"),
-           "error": done.get("error")}
+           "error": done.get("error"), "same_text_as_unmoved": "".join(text) == unmoved}
     deadline = time.monotonic() + 300
     while len(engines(app_name)) < 2 and time.monotonic() < deadline:
         time.sleep(1)
@@ -142,7 +154,8 @@ def main() -> None:
         fresh = [r["fresh_ttft_s"] for r in rounds]
         summary = {"gap_p50_s": statistics.median(gaps) if gaps else None, "fresh_ttft_p50_s": statistics.median(fresh),
                    "ratio": statistics.median(gaps) / statistics.median(fresh) if gaps else None,
-                   "all_complete": all(r["completion_tokens"] == a.max_tokens and r["error"] is None for r in rounds)}
+                   "all_complete": all(r["completion_tokens"] == a.max_tokens and r["error"] is None for r in rounds),
+                   "same_text": sum(r["same_text_as_unmoved"] for r in rounds)}
         print(json.dumps(summary), flush=True)
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps({"args": vars(a), "rounds": rounds, "summary": summary}, indent=1))
