@@ -223,7 +223,8 @@ class Egress:
         choices = [self._new_choice(job, i) for i in range(job.n)]
         stream, accepted = await self._open_accepted(job.engine_request)
         replica = accepted.replica or ""
-        busy, event_id, moves = 0.0, 0, 0
+        busy, event_id = 0.0, 0
+        lost: list[str] = []  # engine replicas this request was lost on
         move: _Move | None = None
         open_choices = set(range(job.n))
         try:
@@ -237,7 +238,8 @@ class Egress:
                     try:
                         outs = await stream.items.__anext__()
                     except (Exception, StopAsyncIteration) as exc:  # noqa: BLE001 - sorted below
-                        if not engine_lost(exc) or not await self._may_move(job, moves, replica):
+                        lost.append(replica)
+                        if not engine_lost(exc) or not await self._may_move(job, lost):
                             if isinstance(exc, StopAsyncIteration):
                                 # The engine ends a stream only once every choice has finished, so
                                 # an early end means the call was lost with its replica.
@@ -245,17 +247,13 @@ class Egress:
                                     "The engine stream ended before the request finished: the engine replica "
                                     "was lost. Retry.") from None
                             raise
-                        moves += 1
+                        if move is not None:
+                            move.resumed()
                         move = _Move(job, replica, len(choices[0].token_ids))
                         await stream.close()
-                        stream, accepted = await self._open_accepted(dataclasses.replace(
-                            job.engine_request, output_token_ids=list(choices[0].token_ids), route=None,
-                            avoid_replicas=[*job.engine_request.avoid_replicas, replica]))
+                        stream, accepted = await self._move(job, choices[0], lost)
                         replica = accepted.replica or ""
                         move.accepted(replica)
-                        choices[0].moved = True
-                        self.migrations += 1
-                        self.recomputed_tokens += len(job.engine_request.prompt_token_ids) + move.carried
                         yield EngineMoved(replica, [c.engine_id for c in choices])
                         pending = [[accepted]]
                         continue
@@ -297,16 +295,32 @@ class Egress:
             summary.egress_busy += time.perf_counter() - t0
         yield summary
 
-    async def _may_move(self, job: GenerationJob, moves: int, lost: str) -> bool:
-        """Whether a request whose engine replica ``lost`` is gone may move to another one."""
-        if job.n != 1 or moves >= self.max_migrations:
+    async def _may_move(self, job: GenerationJob, lost: list[str]) -> bool:
+        """Whether a request lost on the replicas ``lost`` (the last just now) may move again."""
+        if job.n != 1 or len(lost) > self.max_migrations:
             return False
         if self.healthy_engines is None:
             return True
         try:
-            return any(r != lost for r in await self.healthy_engines())
+            return any(r not in lost for r in await self.healthy_engines())
         except Exception:  # noqa: BLE001 - nobody to ask: the old error path
             return False
+
+    async def _move(self, job: GenerationJob, choice: _Choice, lost: list[str]) -> tuple[EngineStream, EngineOutput]:
+        """Send the request, with the tokens ``choice`` has so far, to an engine replica it was not
+        lost on. A replica lost before it accepted counts as one more move."""
+        while True:
+            request = dataclasses.replace(job.engine_request, output_token_ids=list(choice.token_ids), route=None,
+                                          avoid_replicas=[*job.engine_request.avoid_replicas, *lost])
+            self.migrations += 1
+            self.recomputed_tokens += len(request.prompt_token_ids) + len(choice.token_ids)
+            choice.moved = True
+            try:
+                return await self._open_accepted(request)
+            except Exception as exc:
+                lost.append("")  # where it went is unknown: it never accepted
+                if not engine_lost(exc) or not await self._may_move(job, lost):
+                    raise
 
 
 class _Move:

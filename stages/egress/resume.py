@@ -69,6 +69,8 @@ class Kept:
     dropped: bool = False
     attached: bool = True
     finished: bool = False
+    #: Ended by this store (its record was dropped while detached): never ended twice.
+    aborted: bool = False
     reconnects: int = 0
     #: ``time.monotonic()`` when the record goes (``None``: not while attached and running).
     expires_at: float | None = None
@@ -142,6 +144,7 @@ class ResumeStore:
             if not kept.attached and not kept.finished:
                 # Nobody can get all of it any more: stop it now; the record stays, empty, so a
                 # reconnect within the grace period learns why.
+                kept.aborted = True
                 self.on_expire(request_id, True)
 
     def detach(self, request_id: str) -> bool:
@@ -222,7 +225,7 @@ class ResumeStore:
     def _expire(self, kept: Kept) -> None:
         if self._kept.get(kept.request_id) is not kept:
             return
-        running = not kept.finished
+        running = not kept.finished and not kept.aborted
         if not kept.attached:
             self.expired += 1
             if self.on_unkeep is not None:

@@ -164,6 +164,7 @@ class LLMEngine:
         if done:
             req.output_token_ids = done
             req.all_token_ids.extend(done)
+            req.num_carried = len(done)
         req.grammar = state
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -218,7 +219,7 @@ class LLMEngine:
                 self._failures.append((req.request_id, result))
                 continue
             token_id, logprob = result
-            first = req.num_output_tokens == 0
+            first = req.num_output_tokens == req.num_carried
             req.append_output(token_id, logprob)
             req.record(EventType.FIRST_TOKEN if first else EventType.DECODE_STEP, now)
             self.generation_tokens_total += 1

@@ -87,6 +87,9 @@ class Request:
     #: Prompt tokens found in the prefix cache at first admission.
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    #: Output tokens it came with, generated on a replica that was lost (its first token here is
+    #: the one after them).
+    num_carried: int = 0
     stop_token_id: int | None = None
     #: ``torch.Generator`` for seeded sampling; created lazily by the sampler (opaque here).
     generator: Any = None

@@ -1,5 +1,6 @@
 """Egress without Ray: a scripted engine stream in, typed items out (StreamStart, frames, summary),
-stop strings that end one choice of several, and a full queue retried on another replica."""
+stop strings that end one choice of several, a full queue retried on another replica, and a request
+moved off a lost engine replica (and when it is not)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from typing import Any
 import pytest
 
 from stages.egress.egress import Egress, EngineStream
-from stages.engine.core.errors import EngineOverloadedError
+from stages.engine.core.errors import EngineOverloadedError, SamplingError
+from stages.errors import EngineUnavailableError
 from stages.model_info import EMBEDDED_MODEL, load_tokenizer
 from stages.transport.messages import (
     AbortRequest,
+    EngineMoved,
     EngineOutput,
     EngineRequest,
     GenerationJob,
@@ -153,3 +156,216 @@ def test_every_replica_refusing_gives_the_429(tok: Any) -> None:
     # e1, then e2 (avoiding e1), then e1 again: a replica refusing twice means all are full.
     assert [r.avoid_replicas for r in engine.opened] == [[], ["e1"], ["e1", "e2"]]
     assert engine.closed == 3
+
+
+# -- moving a request off a lost engine replica (stages/egress/migration.py) ------------------------------
+TEXT = " the quick brown fox jumps over the lazy dog"
+FIRST_TIMINGS = {"queue": 0.1, "prefill": 0.2}
+
+
+class Wrapped(Exception):
+    """What Ray raises for an error of a remote call: the original is its ``cause``."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _actor_died() -> BaseException:
+    exceptions = pytest.importorskip("ray.exceptions")
+    try:
+        return exceptions.ActorDiedError()
+    except Exception as exc:  # noqa: BLE001 - not constructible in this Ray version
+        pytest.skip(f"ray.exceptions.ActorDiedError() is not constructible: {exc}")
+
+
+#: How an engine stream dies: a factory of the error it raises, or None to end early (StopAsyncIteration).
+LOSSES = {
+    "unavailable": lambda: EngineUnavailableError("engine replica lost"),
+    "early_end": None,
+    "actor_died": _actor_died,
+    "wrapped": lambda: Wrapped(EngineUnavailableError("lost, wrapped by Ray")),
+}
+
+
+class DyingEngine:
+    """Engine replicas e1, e2, ... (one per open) that all generate ``tokens`` from where the request's
+    ``output_token_ids`` leave off; the stream opened i-th dies after ``dies_after[i]`` tokens in all
+    (None: it runs to the end) by raising ``error()``, or by ending early when ``error`` is None."""
+
+    def __init__(self, tokens: list[int], dies_after: list[int | None], error: Any = None) -> None:
+        self.tokens = tokens
+        self.dies_after = list(dies_after)
+        self.error = error
+        self.opened: list[EngineRequest] = []
+        self.replicas: list[str] = []
+        self.closed = 0
+        self.health_asks = 0
+
+    def open(self, request: EngineRequest) -> EngineStream:
+        self.opened.append(request)
+        replica = f"e{len(self.opened)}"
+        self.replicas.append(replica)
+        dies = self.dies_after[len(self.opened) - 1] if len(self.opened) <= len(self.dies_after) else None
+        first = len(self.opened) == 1
+        prompt = len(request.prompt_token_ids)
+        # The first replica's usage and timings are the ones the summary must keep.
+        n_prompt, n_cached = (prompt, 1) if first else (prompt + len(request.output_token_ids), 0)
+        timings = FIRST_TIMINGS if first else {"queue": 5.0, "prefill": 6.0}
+
+        async def items() -> Any:
+            yield [EngineOutput(request.request_id, [], num_prompt_tokens=n_prompt, replica=replica)]
+            start = len(request.output_token_ids)
+            for pos in range(start, len(self.tokens)):
+                if dies is not None and pos >= dies:
+                    if self.error is None:
+                        return
+                    raise self.error()
+                await asyncio.sleep(0)
+                last = pos == len(self.tokens) - 1
+                yield [EngineOutput(request.request_id, [self.tokens[pos]], num_prompt_tokens=n_prompt,
+                                    num_cached_tokens=n_cached, timings=timings if pos == start else {},
+                                    finish_reason="length" if last else None)]
+
+        async def close() -> None:
+            self.closed += 1
+
+        return EngineStream(items(), close)
+
+    def healthy(self, answer: list[str] | Exception | None = None) -> Any:
+        """A ``healthy_engines`` callable answering ``answer`` (raising it if an exception), by default
+        e1 to e6."""
+        async def healthy_engines() -> list[str]:
+            self.health_asks += 1
+            if isinstance(answer, Exception):
+                raise answer
+            return answer if answer is not None else ["e1", "e2", "e3", "e4", "e5", "e6"]
+        return healthy_engines
+
+
+def moving(tok: Any, engine: DyingEngine, max_migrations: int = 3, healthy: Any = None) -> Egress:
+    return Egress(tok, engine.open, max_migrations=max_migrations,
+                  healthy_engines=healthy if healthy is not None else engine.healthy())
+
+
+def frame_text(frames: list[StreamFrame]) -> str:
+    return "".join(json.loads(f.data.split("data: ")[1])["choices"][0]["text"] for f in frames)
+
+
+async def collect_until_error(egress: Egress, j: GenerationJob) -> tuple[list[Any], BaseException | None]:
+    items: list[Any] = []
+    try:
+        async for item in egress.stream(j):
+            items.append(item)
+    except Exception as exc:  # noqa: BLE001 - returned for the test to check
+        return items, exc
+    return items, None
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_a_lost_engine_moves_the_request_and_the_stream_goes_on_unbroken(tok: Any, loss: str) -> None:
+    """Lost after k tokens: the same request goes to another replica with those k tokens, and the client
+    gets one stream (EngineMoved in it), numbered without a gap, with the first replica's usage."""
+    words, k = ids(tok, TEXT), 3
+    if LOSSES[loss] is not None:
+        LOSSES[loss]()  # skips here when the error cannot be made
+    engine = DyingEngine(words, dies_after=[k], error=LOSSES[loss])
+    egress = moving(tok, engine)
+    items, err = asyncio.run(collect_until_error(egress, job()))
+    assert err is None
+    assert len(engine.opened) == 2
+    moved = engine.opened[1]
+    assert moved.request_id == "r1" and moved.prompt_token_ids == [1, 2, 3]
+    assert moved.output_token_ids == words[:k] and "e1" in moved.avoid_replicas
+    kinds = [type(i).__name__ for i in items]
+    assert kinds[0] == "StreamStart" and kinds[-1] == "StreamSummary" and kinds.count("EngineMoved") == 1
+    at = kinds.index("EngineMoved")
+    assert items[at] == EngineMoved("e2", ["r1"])
+    before = [i for i in items[:at] if isinstance(i, StreamFrame)]
+    after = [i for i in items[at:] if isinstance(i, StreamFrame)]
+    assert set(kinds[1:at]) == {"StreamFrame"} and set(kinds[at + 1:-1]) == {"StreamFrame"} and after
+    assert sum(f.num_tokens for f in before) == k
+    frames = before + after
+    assert [f.event_id for f in frames] == list(range(len(frames)))
+    assert [f.data.split("\n")[0] for f in frames] == [f"id: {i}" for i in range(len(frames))]
+    assert frame_text(frames) == TEXT, "nothing repeated, nothing missing"
+    summary = items[-1]
+    assert summary.completion_tokens == len(words) and summary.num_events == len(frames)
+    assert summary.finish_reasons == ["length"]
+    assert (summary.prompt_tokens, summary.cached_tokens) == (3, 1)
+    assert {key: summary.engine_timings[key] for key in FIRST_TIMINGS} == FIRST_TIMINGS
+    assert egress.migrations == 1 and egress.recomputed_tokens == 3 + k
+    assert engine.closed == 2, "the lost stream and the new one are both closed"
+
+
+def test_a_moved_non_streamed_request_gets_the_whole_body(tok: Any) -> None:
+    """Not streamed: the body after a move holds the whole text and the usage of every token."""
+    words = ids(tok, TEXT)
+    engine = DyingEngine(words, dies_after=[4], error=LOSSES["unavailable"])
+    items = asyncio.run(collect(moving(tok, engine), job(stream=False)))
+    assert [type(i) for i in items] == [StreamStart, EngineMoved, StreamSummary]
+    body = items[-1].body
+    assert body["choices"][0]["text"] == TEXT and body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == len(words) and body["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("loss", ["unavailable", "early_end"])
+@pytest.mark.parametrize("case", ["max_migrations_0", "n_2", "only_the_lost_one_healthy", "health_check_fails"])
+def test_no_move_gives_the_caller_the_engine_error(tok: Any, case: str, loss: str) -> None:
+    """No move (not allowed, n > 1, no other healthy replica, nobody to ask): the loss reaches the
+    caller as before, EngineUnavailableError for an early end, and nothing is sent again."""
+    words = ids(tok, TEXT)
+    error = EngineUnavailableError("engine replica lost")
+    engine = DyingEngine(words, dies_after=[3], error=None if loss == "early_end" else (lambda: error))
+    max_migrations, n, healthy = 3, 1, None
+    if case == "max_migrations_0":
+        max_migrations = 0
+    elif case == "n_2":
+        n = 2
+    elif case == "only_the_lost_one_healthy":
+        healthy = engine.healthy(["e1"])
+    else:
+        healthy = engine.healthy(RuntimeError("directory unreachable"))
+    egress = moving(tok, engine, max_migrations=max_migrations, healthy=healthy)
+    items, err = asyncio.run(collect_until_error(egress, job(n=n)))  # n=2: the fake feeds choice 0
+    assert isinstance(err, EngineUnavailableError)
+    if loss == "unavailable":
+        assert err is error, "the original error, unchanged"
+    assert len(engine.opened) == 1 and egress.migrations == 0 and egress.recomputed_tokens == 0
+    assert not any(isinstance(i, (EngineMoved, StreamSummary)) for i in items)
+    if case in ("only_the_lost_one_healthy", "health_check_fails"):
+        assert engine.health_asks == 1
+
+
+@pytest.mark.parametrize("error", [SamplingError("this request's sampling failed"), ValueError("a bug")],
+                         ids=["sampling_error", "value_error"])
+def test_an_error_that_is_not_an_engine_loss_is_not_moved(tok: Any, error: Exception) -> None:
+    """The request's own error (not its replica's loss) propagates unchanged, with no move."""
+    engine = DyingEngine(ids(tok, TEXT), dies_after=[3], error=lambda: error)
+    egress = moving(tok, engine)
+    items, err = asyncio.run(collect_until_error(egress, job()))
+    assert err is error
+    assert len(engine.opened) == 1 and egress.migrations == 0
+    assert not any(isinstance(i, EngineMoved) for i in items)
+
+
+def test_a_request_moves_at_most_max_migrations_times(tok: Any) -> None:
+    """An engine that dies every time: max_migrations moves, each carrying every token so far; the
+    next loss reaches the caller."""
+    words = ids(tok, TEXT)
+    assert len(words) > 5
+    error = EngineUnavailableError("lost again")
+    engine = DyingEngine(words, dies_after=[2, 3, 4, 5, 6], error=lambda: error)
+    egress = moving(tok, engine, max_migrations=3)
+    items, err = asyncio.run(collect_until_error(egress, job()))
+    assert err is error
+    assert len(engine.opened) == 4
+    assert [r.output_token_ids for r in engine.opened] == [[], words[:2], words[:3], words[:4]]
+    assert [r.request_id for r in engine.opened] == ["r1"] * 4
+    for lost, req in zip(["e1", "e2", "e3"], engine.opened[1:], strict=True):
+        assert lost in req.avoid_replicas
+    assert [i for i in items if isinstance(i, EngineMoved)] == [EngineMoved(f"e{i}", ["r1"]) for i in (2, 3, 4)]
+    frames = [i for i in items if isinstance(i, StreamFrame)]
+    assert [f.event_id for f in frames] == list(range(len(frames)))
+    assert sum(f.num_tokens for f in frames) == 5
+    assert egress.migrations == 3 and egress.recomputed_tokens == 3 * 3 + 2 + 3 + 4

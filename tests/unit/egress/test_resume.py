@@ -287,6 +287,54 @@ def test_a_record_dropped_while_detached_answers_its_reconnect_as_dropped() -> N
     asyncio.run(main())
 
 
+def test_a_detached_running_record_past_max_bytes_is_expired_at_once_and_kept_as_a_tombstone() -> None:
+    """Dropped while detached and unfinished: on_expire(rid, True) at once; the empty record stays, so
+    a later take answers dropped with no items."""
+    async def main() -> None:
+        store, calls = make_store()
+        opened(store, t=terms(grace_s=30.0, max_bytes=10))
+        store.record("r1", [fr(0, data="x" * 5)])
+        assert store.detach("r1") is True
+        store.record("r1", [fr(1, data="x" * 6)])
+        assert calls.expired == [("r1", True)], "stopped now, not at the end of the grace period"
+        assert "r1" in store and store.nbytes == 0 and store.dropped == 1
+        store.record("r1", [fr(2, data="y")])
+        assert calls.expired == [("r1", True)] and store.nbytes == 0, "a tombstone records nothing more"
+        kept, items = store.take("r1", -1)
+        assert kept.dropped and items == [] and "r1" not in store
+        assert calls.expired == [("r1", True)]
+    asyncio.run(main())
+
+
+def test_an_attached_record_past_max_bytes_is_dropped_without_on_expire() -> None:
+    """Dropped while attached: the stream goes on unresumable; on_expire is not called."""
+    async def main() -> None:
+        store, calls = make_store()
+        opened(store, t=terms(max_bytes=10))
+        store.record("r1", [fr(0, data="x" * 11)])
+        assert store.dropped == 1 and calls.expired == [] and "r1" in store
+        store.record("r1", [summ()])
+        store.finish("r1")
+        assert calls.expired == []
+        store.forget("r1")
+    asyncio.run(main())
+
+
+def test_a_detached_finished_record_past_max_bytes_is_not_expired_at_once() -> None:
+    """Finished and detached: nothing runs to stop, so passing the cap calls no on_expire."""
+    async def main() -> None:
+        store, calls = make_store()
+        opened(store, t=terms(max_bytes=10))
+        store.record("r1", [fr(0, data="x" * 5)])
+        store.finish("r1")
+        store.detach("r1")
+        store.record("r1", [fr(1, data="x" * 6)])
+        assert store.dropped == 1 and calls.expired == []
+        kept, items = store.take("r1", -1)
+        assert kept.dropped and items == []
+    asyncio.run(main())
+
+
 # -- forgetting and draining --------------------------------------------------------------------------------
 def test_forget_drops_the_record_and_its_expiry() -> None:
     """forget: the stream is gone at once, and its pending expiry never fires."""
