@@ -52,8 +52,10 @@ def ttft(url: str, prompt: str) -> float:
     t0 = time.perf_counter()
     with httpx.stream("POST", url + "/v1/chat/completions", json=_body(prompt, 4), timeout=300) as resp:
         for line in resp.iter_lines():
-            if line.startswith("data: {") and '"content"' in line:
-                return time.perf_counter() - t0
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("delta", {}).get("content"):  # the first chunk may carry only the role
+                    return time.perf_counter() - t0
     raise RuntimeError("no token")
 
 
@@ -79,7 +81,28 @@ def busy_engine(url: str) -> str:
     raise RuntimeError("no engine reports a running request")
 
 
-def one_round(url: str, app_name: str, a: argparse.Namespace) -> dict[str, Any]:
+def trace_parts(otlp: Any, response_id: str | None, timeout: float = 10.0) -> dict[str, Any]:
+    """Where the moved request's time went, from its trace: the ``migration`` span (the loss to
+    the first token from the new replica) and the new replica's ``queue`` and ``prefill``."""
+    rid = (response_id or "").split("-", 1)[-1]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        roots = [sp for sp in otlp.spans if sp.attributes.get("lifecycle.request_id") == rid]
+        if roots:
+            spans = otlp.trace(roots[0].trace_id)
+            moves = [sp for sp in spans if sp.name == "migration"]
+            if moves and moves[0].attributes.get("lifecycle.migration.time_lost_ms") is not None:
+                ms = lambda sp: (sp.end_ns - sp.start_ns) / 1e6  # noqa: E731
+                queues = sorted((sp for sp in spans if sp.name == "queue"), key=lambda sp: sp.start_ns)
+                prefills = sorted((sp for sp in spans if sp.name == "prefill"), key=lambda sp: sp.start_ns)
+                return {"migration_ms": ms(moves[0]), **{k.rsplit(".", 1)[-1]: v for k, v in moves[0].attributes.items()},
+                        "new_queue_ms": ms(queues[-1]) if len(queues) > 1 else None,
+                        "new_prefill_ms": ms(prefills[-1]) if len(prefills) > 1 else None}
+        time.sleep(0.5)
+    return {}
+
+
+def one_round(url: str, app_name: str, a: argparse.Namespace, otlp: Any = None) -> dict[str, Any]:
     times: list[float] = []
     tokens: list[int] = []
     text: list[str] = []
@@ -94,6 +117,7 @@ def one_round(url: str, app_name: str, a: argparse.Namespace) -> dict[str, Any]:
                 if not line.startswith("data: {"):
                     continue
                 chunk = json.loads(line[6:])
+                done.setdefault("id", chunk.get("id"))
                 if "error" in chunk:
                     done["error"] = chunk["error"]
                 if chunk.get("usage"):
@@ -105,6 +129,7 @@ def one_round(url: str, app_name: str, a: argparse.Namespace) -> dict[str, Any]:
                     if len(times) >= a.kill_after:
                         reached.set()
 
+    steady = ttft(url, _prompt(a.prompt_tokens + a.kill_after))  # both engines up, nothing else running
     t = threading.Thread(target=client)
     t.start()
     reached.wait(300)
@@ -116,16 +141,27 @@ def one_round(url: str, app_name: str, a: argparse.Namespace) -> dict[str, Any]:
     t.join(300)
     after = [x for x in times if x > killed_at]
     before_gaps = [b - a_ for a_, b in zip(times, times[1:], strict=False) if b < killed_at]
-    fresh = ttft(url, _prompt(a.prompt_tokens + a.kill_after))
-    unmoved = complete(url, prompt, a.max_tokens)
-    out = {"gap_kill_to_next_token_s": after[0] - killed_at if after else None,
-           "itl_before_p50_s": statistics.median(before_gaps) if before_gaps else None,
-           "fresh_ttft_s": fresh, "completion_tokens": (done.get("usage") or {}).get("completion_tokens"),
-           "error": done.get("error"), "same_text_as_unmoved": "".join(text) == unmoved}
+    fresh = ttft(url, _prompt(a.prompt_tokens + a.kill_after))  # while the replacement starts
     deadline = time.monotonic() + 300
     while len(engines(app_name)) < 2 and time.monotonic() < deadline:
         time.sleep(1)
     time.sleep(15)  # the replacement loads its model and starts reporting
+    moved = "".join(text)
+    again = [complete(url, prompt, a.max_tokens) for _ in range(2)]  # the same prompt, unmoved, twice
+
+    def diverge(x: str, y: str) -> int:
+        return next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+
+    out = {"gap_kill_to_next_token_s": after[0] - killed_at if after else None,
+           "chars_before_kill": len("".join(text[:len(times) - len(after)])),
+           "moved_vs_unmoved_diverge_at_char": diverge(moved, again[0]),
+           "unmoved_twice_diverge_at_char": diverge(again[0], again[1]), "chars": len(moved),
+           "steady_ttft_s": steady,
+           "trace": trace_parts(otlp, done.get("id")) if otlp is not None else None,
+           "itl_before_p50_s": statistics.median(before_gaps) if before_gaps else None,
+           "fresh_ttft_s": fresh, "completion_tokens": (done.get("usage") or {}).get("completion_tokens"),
+           "error": done.get("error"), "same_text_as_unmoved": moved == again[0],
+           "unmoved_runs_agree": again[0] == again[1]}
     return out
 
 
@@ -138,21 +174,26 @@ def main() -> None:
     p.add_argument("--out", default="bench/results/migration_gap.json")
     a = p.parse_args()
     os.environ["RAY_ADDRESS"] = "local"
+    from tests.otlp_receiver import OTLPReceiver
     from tests.serve_harness import start_app, stop_app
 
+    otlp = OTLPReceiver()
     args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
+    args["tracing"] = {"enabled": True, "sampling_ratio": 1.0, "otlp_endpoint": otlp.endpoint}
     options = {"Engine": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}}}
     url, _ = start_app(args, options=options)
     MODEL["name"] = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     try:
         rounds = []
         for _ in range(a.rounds):
-            r = one_round(url, "lifecycle", a)
+            r = one_round(url, "lifecycle", a, otlp)
             print(json.dumps(r), flush=True)
             rounds.append(r)
         gaps = [r["gap_kill_to_next_token_s"] for r in rounds if r["gap_kill_to_next_token_s"] is not None]
         fresh = [r["fresh_ttft_s"] for r in rounds]
         summary = {"gap_p50_s": statistics.median(gaps) if gaps else None, "fresh_ttft_p50_s": statistics.median(fresh),
+                   "steady_ttft_p50_s": statistics.median(r["steady_ttft_s"] for r in rounds),
+                   "unmoved_runs_agree": sum(r["unmoved_runs_agree"] for r in rounds),
                    "ratio": statistics.median(gaps) / statistics.median(fresh) if gaps else None,
                    "all_complete": all(r["completion_tokens"] == a.max_tokens and r["error"] is None for r in rounds),
                    "same_text": sum(r["same_text_as_unmoved"] for r in rounds)}
@@ -161,6 +202,7 @@ def main() -> None:
         Path(a.out).write_text(json.dumps({"args": vars(a), "rounds": rounds, "summary": summary}, indent=1))
     finally:
         stop_app()
+        otlp.close()
 
 
 if __name__ == "__main__":
