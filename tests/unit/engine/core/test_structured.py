@@ -137,6 +137,32 @@ def test_matcher_state_survives_preemption_and_recompute(tokenizer, vocab, compi
         jsonschema.validate(json.loads(tokenizer.decode(tight_tokens[rid], skip_special_tokens=True)), SCHEMA)
 
 
+def test_a_constrained_request_moved_to_another_engine_replays_its_grammar(tokenizer, vocab, compiler) -> None:
+    """A structured-output request continued on a fresh engine from its first k tokens: the matcher
+    replays them, so the rest is the same and the whole still matches the schema; carried tokens
+    the grammar forbids are refused."""
+    prompt = [1, 9, 14, 3, 27]
+    whole_engine, _ = make_engine(tokenizer, vocab)
+    _add(whole_engine, compiler, "r", prompt, _json_spec())
+    tokens, reasons = run_all(whole_engine)
+    whole = tokens["r"]
+    assert reasons["r"] == "stop" and len(whole) > 8
+    for k in (3, len(whole) // 2):
+        fresh, _ = make_engine(tokenizer, vocab)
+        grammar = compiler.compile_sync(_json_spec())
+        fresh.grammars.build(grammar)
+        fresh.add_request("r", prompt, _params(), grammar=grammar, output_token_ids=whole[:k])
+        rest, rest_reasons = run_all(fresh)
+        assert rest["r"] == whole[k:] and rest_reasons["r"] == "stop"
+        jsonschema.validate(json.loads(tokenizer.decode(whole[:k] + rest["r"], skip_special_tokens=True)), SCHEMA)
+    fresh, _ = make_engine(tokenizer, vocab)
+    grammar = compiler.compile_sync(_json_spec())
+    fresh.grammars.build(grammar)
+    not_json = tokenizer.encode("hello", add_special_tokens=False)
+    with pytest.raises(RequestRejectedError, match="grammar"):
+        fresh.add_request("bad", prompt, _params(), grammar=grammar, output_token_ids=not_json)
+
+
 def test_sync_rolls_back_and_replays(tokenizer, vocab, compiler) -> None:
     """A matcher that has consumed more or fewer tokens than the request (a recompute that dropped
     tokens, or a replay) is brought back to exactly the request's tokens."""
