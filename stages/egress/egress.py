@@ -27,6 +27,7 @@ refusing replica goes into ``avoid_replicas`` and the router tries the others fi
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from stages.transport.messages import (
     StreamStart,
     StreamSummary,
 )
+
+logger = logging.getLogger("lifecycle.egress")
 
 
 class EngineStream:
@@ -328,6 +331,7 @@ class _Move:
     from the new replica, with where from and to, the tokens carried over and the time lost."""
 
     def __init__(self, job: GenerationJob, lost: str, carried: int) -> None:
+        self.lost = lost
         self.carried = carried
         self.t0 = time.perf_counter()
         self.span = get_tracer().start_span("migration", context=extract(job.engine_request.trace_context),
@@ -335,8 +339,14 @@ class _Move:
                                                         "lifecycle.migration.tokens_carried": carried})
 
     def accepted(self, replica: str) -> None:
-        self.span.set_attribute("lifecycle.migration.to", replica)
+        self.to = replica
+        self.accepted_ms = (time.perf_counter() - self.t0) * 1000
+        self.span.set_attributes({"lifecycle.migration.to": replica, "lifecycle.migration.accepted_ms": self.accepted_ms})
 
     def resumed(self) -> None:
-        self.span.set_attribute("lifecycle.migration.time_lost_ms", (time.perf_counter() - self.t0) * 1000)
+        lost_ms = (time.perf_counter() - self.t0) * 1000
+        self.span.set_attribute("lifecycle.migration.time_lost_ms", lost_ms)
         self.span.end()
+        logger.info("a request moved from engine replica %s to %s with %d tokens: accepted after %.0f ms, "
+                    "next token after %.0f ms", self.lost, getattr(self, "to", "?"), self.carried,
+                    getattr(self, "accepted_ms", float("nan")), lost_ms)
