@@ -217,7 +217,8 @@ class LiveDirectory:
         return ResumeLookup(kept=self._kept.find(key, api_key_id), attached=len(self._live.find(key, api_key_id)))
 
     def cancel(self, key: str, api_key_id: str | None = None) -> list[LiveEntry]:
-        """Post a cancel to the owner of every request ``key`` names; returns them."""
+        """Post a cancel to the owner of every live request ``key`` names; returns them, and the
+        detached streams it names (``kept``: the caller ends those on their Egress replica)."""
         found = self.find(key, api_key_id)
         for entry in found:
             box = self._owners.get(entry.owner)
@@ -225,7 +226,7 @@ class LiveDirectory:
                 box.mailbox.append(entry.request_id)
                 if box.wake is not None:
                     box.wake.set()
-        return found
+        return found + self._kept.find(key, api_key_id)
 
     # -- aborts that missed their replica ---------------------------------------------------------
     def forward_abort(self, request: AbortRequest) -> None:

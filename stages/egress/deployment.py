@@ -29,6 +29,7 @@ from stages.heap import start_trimmer
 from stages.routing.router import placement_key
 from stages.telemetry import get_tracer, span_from_context
 from stages.transport.admission import fire_and_forget
+from stages.transport.channel_client import is_final
 from stages.transport.consumer import Consumer, admission_key
 from stages.transport.liveness import own_actor_name, own_replica_id
 from stages.transport.messages import (
@@ -98,7 +99,7 @@ class EgressDeployment:
         async def close() -> None:
             call.cancel()
 
-        return EngineStream(call.outputs(), close, call.item)
+        return EngineStream(call.outputs(), close, call.item, call.forget)
 
     async def _abort(self, req: AbortRequest) -> None:
         await self.engine.abort.remote(req)
@@ -133,9 +134,15 @@ class EgressDeployment:
             yield batch
 
     async def abort(self, request: AbortRequest) -> None:
-        """End jobs by API request id (their Ingress gave up on them): each job's ``finally``
-        runs, which aborts it in the engine. Unknown or finished ids are ignored; ids naming
-        another replica (draining) are forwarded to the directory."""
+        """End jobs by API request id (their Ingress gave up on them, or a cancel by id named a
+        detached resumable stream, whose kept events go too): each job's ``finally`` runs, which
+        aborts it in the engine. Unknown or finished ids are ignored; ids naming another replica
+        (draining) are forwarded to the directory."""
+        if request.replica == self.replica:
+            for rid in request.request_ids:
+                if self.kept.is_detached(rid):
+                    self._unkeep_entry(rid)
+                    self.kept.forget(rid)
         await self.transport.abort(request)
 
     # -- resumable streams -----------------------------------------------------------------------------------
@@ -165,6 +172,9 @@ class EgressDeployment:
         kept, items = self.kept.take(rid, request.after)
         if kept.dropped:
             items = [RoutedError(rid, EventsDroppedError())]
+        elif not self.transport.running(rid) and not (items and is_final(items[-1])):
+            # Ended without its last item (cancelled): say so rather than leave the client waiting.
+            items.append(RoutedError(rid, EngineUnavailableError("The request ended before it finished. Retry.")))
         self.transport.retarget(rid, request.consumer, items)
         if kept.dropped:
             self.transport.end([rid])

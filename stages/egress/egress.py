@@ -58,11 +58,13 @@ class EngineStream:
     """One open engine stream: its items, and how to close it early (which aborts in the engine)."""
 
     def __init__(self, items: AsyncIterator[list[EngineOutput]], close: Callable[[], Awaitable[None]],
-                 request: EngineRequest | None = None) -> None:
+                 request: EngineRequest | None = None, forget: Callable[[], None] | None = None) -> None:
         self.items = items
         self.close = close
         #: The request as sent, with the router's note on where it went (once accepted).
         self.request = request
+        #: Stop reading without an abort (the replica is gone); ``None``: close instead.
+        self.forget = forget
 
 
 #: Opens the engine stream of one request.
@@ -253,7 +255,10 @@ class Egress:
                         if move is not None:
                             move.resumed()
                         move = _Move(job, replica, len(choices[0].token_ids))
-                        await stream.close()
+                        if stream.forget is not None:
+                            stream.forget()  # the replica is gone: nothing to abort there
+                        else:
+                            await stream.close()
                         stream, accepted = await self._move(job, choices[0], lost)
                         replica = accepted.replica or ""
                         move.accepted(replica)

@@ -114,6 +114,10 @@ class ResumeStore:
         """Bytes of events kept, over every stream."""
         return sum(k.nbytes for k in self._kept.values())
 
+    def is_detached(self, request_id: str) -> bool:
+        kept = self._kept.get(request_id)
+        return kept is not None and not kept.attached
+
     def detached(self) -> int:
         """Streams kept with nobody attached."""
         return sum(1 for k in self._kept.values() if not k.attached)
@@ -121,7 +125,7 @@ class ResumeStore:
     # -- a stream's life ------------------------------------------------------------------------------
     def open(self, request_id: str, terms: ResumeTerms, response_id: str, shape: dict[str, Any]) -> None:
         """Start recording a resumable stream (attached: its first client holds it)."""
-        entry = LiveEntry(request_id, response_id, self.owner, terms.client_request_id, terms.api_key_id)
+        entry = LiveEntry(request_id, response_id, self.owner, terms.client_request_id, terms.api_key_id, kept=True)
         self._kept[request_id] = Kept(request_id, terms, entry, shape)
         self._empty.clear()
         self.opened += 1

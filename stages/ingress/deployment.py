@@ -149,7 +149,8 @@ class Ingress:
         # Jobs reach Egress batched per loop turn, their frames come back on shared channels.
         self.to_egress = Consumer(egress, own_actor_name(), _egress_lost)
         self.engine_liveness = EngineLiveness(directory)
-        self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close)
+        self.lifecycle = Lifecycle(self.replica, directory=directory, abort=self._abort, on_close=self._on_close,
+                                   end_kept=self.to_egress.abort)
         self._background = []
         if directory is not None:
             self._background = [asyncio.create_task(self.lifecycle.watch_forever()),

@@ -149,6 +149,9 @@ AbortFn = Callable[[AbortRequest], Coroutine[Any, Any, None]]
 CloseHook = Callable[[LiveRequest, Any, "dict[str, float] | None"], None]
 
 
+#: Seconds a detached stream's entry stays in the directory after its client left: its Egress
+#: replica's ``keep`` replaces it meanwhile (a reconnect waits while it still looks attached).
+DETACHED_REMOVAL_DELAY_S = 5.0
 #: Seconds the directory sync waits after the first change before it goes out. A sync is a Serve
 #: call on this replica's loop; sent at once, it would go out between a request's arrival and its
 #: Egress call and delay that call. Waiting puts it in the idle time of the prefill, and batches
@@ -162,8 +165,11 @@ class Lifecycle:
     """The live-request registry of one Ingress replica, kept in sync with the app's directory."""
 
     def __init__(self, owner: str, *, directory: Any = None, abort: AbortFn | None = None,
-                 on_close: CloseHook | None = None, sync_delay_s: float = SYNC_DELAY_S) -> None:
+                 on_close: CloseHook | None = None, sync_delay_s: float = SYNC_DELAY_S,
+                 end_kept: Callable[[str, list[str]], None] | None = None) -> None:
         self.owner = owner
+        #: Ends detached resumable streams on the Egress replica keeping them: (replica, ids).
+        self.end_kept = end_kept
         self.directory = directory
         self.sync_delay_s = sync_delay_s
         self._removal = asyncio.Event()
@@ -215,15 +221,23 @@ class Lifecycle:
             live.outcome = outcome
         self.live.pop(live.request_id, None)
         if self._added.pop(live.request_id, None) is None:
-            self._removed.append(live.request_id)
-            self._removal.set()
-            self._schedule_flush()
+            if live.outcome == Outcome.DETACHED:
+                # Its Egress replica now registers it as kept, which replaces this entry; removed
+                # at once, a reconnect in between would find neither and answer 404.
+                asyncio.get_running_loop().call_later(DETACHED_REMOVAL_DELAY_S, self._remove, live.request_id)
+            else:
+                self._remove(live.request_id)
         if self.on_close is not None:
             try:
                 self.on_close(live, summary, timings)
             except Exception:  # observability must never break the response path
                 logger.exception("close hook failed for %s", live.request_id)
         return True
+
+    def _remove(self, request_id: str) -> None:
+        self._removed.append(request_id)
+        self._removal.set()
+        self._schedule_flush()
 
     # -- cancel ----------------------------------------------------------------------------------------
     def find_local(self, key: str, api_key_id: str | None = None) -> list[LiveRequest]:
@@ -253,6 +267,8 @@ class Lifecycle:
         exact = len(local) == 1 and key in (local[0].request_id, local[0].response_id)
         if self.directory is not None and not exact:
             for entry in await self.directory.cancel.remote(key, api_key_id):
+                if entry.kept and self.end_kept is not None and entry.request_id not in found:
+                    self.end_kept(entry.owner, [entry.request_id])
                 found.setdefault(entry.request_id, entry)
         return list(found.values())
 

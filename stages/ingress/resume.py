@@ -11,7 +11,7 @@ Finding the stream: the directory indexes detached streams by response id, serve
 label (:meth:`stages.directory.directory.LiveDirectory.resume_lookup`). The server notices a
 dropped connection only when it next reads or writes it, so a client that reconnects at once may
 find its old connection still attached: the lookup waits up to :data:`SETTLE_S` for it to go
-before answering 409.
+(and for its Egress replica to tell the directory it keeps the stream) before answering 409.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from stages.transport.messages import LiveEntry
 
 #: Request header asking for a resumable stream, in seconds of grace.
 RESUMABLE_HEADER = "x-resumable"
-#: Seconds a reconnect waits for the old connection of its stream to be noticed gone.
-SETTLE_S = 1.0
+#: Seconds a reconnect waits for the old connection of its stream to be noticed gone, and for
+#: its Egress replica to register it as kept.
+SETTLE_S = 3.0
 SETTLE_POLL_S = 0.05
 _EVENT_ID = re.compile(r"-?[0-9]+")
 

@@ -200,6 +200,11 @@ class Call:
         self.consumer.detach(_replica_of(accepted.result()), self.ids[0])
         self.consumer.client.unregister(self.inbox, aborted=True)  # late frames are dropped, not aborted
 
+    def forget(self) -> None:
+        """Stop reading without ending the request in its producer: that replica is gone (an abort
+        sent there would only wait in the directory for a replica that never asks)."""
+        self._finish()
+
     def release(self) -> None:
         """The client received the whole of a resumable stream: its producer may forget it."""
         if self.replica:

@@ -487,6 +487,9 @@ class LiveEntry:
     client_request_id: str | None = None
     #: Digest of the API key that created the request (``None`` when keys are off).
     api_key_id: str | None = None
+    #: A detached resumable stream: ``owner`` is the Egress replica keeping its events, and a
+    #: cancel ends it there (nobody holds its connection).
+    kept: bool = False
 
 
 @dataclass

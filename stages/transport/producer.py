@@ -118,6 +118,10 @@ class Producer:
         """Requests running here."""
         return len(self._jobs)
 
+    def running(self, key: str) -> bool:
+        """Whether the request ``key`` still runs here."""
+        return key in self._jobs
+
     # -- admission ---------------------------------------------------------------------------------
     async def submit(self, batch: AdmissionBatch, start: Callable[[Any], Job]) -> list[Admission]:
         """Admit every request of ``batch`` (``start`` makes its :class:`Job`); one answer each."""

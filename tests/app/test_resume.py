@@ -151,21 +151,28 @@ def test_unknown_gets_404_and_attached_gets_409(app: Any) -> None:
         bad = client.post(app.url + CHAT, json=_body(), headers={"X-Resumable": "601"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "X-Resumable"
 
+        # Long enough to stay attached through the reconnect's wait for it to be noticed gone.
         conflict: list[httpx.Response] = []
-        with client.stream("POST", app.url + CHAT, json=_body(), headers={"X-Resumable": "30"}) as resp:
+        with client.stream("POST", app.url + CHAT, json=_body(2000), headers={"X-Resumable": "30"}) as resp:
             events = Events()
             lines = resp.iter_lines()
             for line in lines:
                 if line.startswith("data: "):
                     events.events.append((0, line[6:]))
                     break
+            deadline = time.monotonic() + 5  # its Ingress registers it in the directory a moment after it starts
+            while not any(e.response_id == events.response_id for e in app.call("Directory", "live_entries")):
+                assert time.monotonic() < deadline, "the stream never reached the directory"
+                time.sleep(0.05)
             t = threading.Thread(target=lambda: conflict.append(
                 httpx.get(f"{app.url}/v1/requests/{events.response_id}/events", timeout=30)))
             t.start()
             t.join()
-            rest = list(lines)  # still attached: read it to the end
+            # Still attached: cancel it by id and read it to the end (finish_reason "abort").
+            assert client.post(f"{app.url}/v1/requests/{events.response_id}/cancel").status_code == 200
+            rest = list(lines)
         assert conflict[0].status_code == 409, conflict[0].text
-        assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
+        assert "data: [DONE]" in rest
         # Read to the end: nothing is kept, nothing to resume.
         gone = client.get(f"{app.url}/v1/requests/{events.response_id}/events")
         assert gone.status_code == 404
@@ -179,3 +186,19 @@ def test_a_stream_that_did_not_ask_is_aborted_at_once(app: Any) -> None:
         r = client.get(f"{app.url}/v1/requests/{first.response_id}/events")
     assert time.monotonic() - t0 < 5
     assert r.status_code == 404
+
+
+def test_a_detached_stream_cancelled_by_id_ends_and_is_no_longer_resumable(app: Any) -> None:
+    label = f"resume-cancel-{time.time_ns()}"
+    with httpx.Client(timeout=120) as client:
+        first = _start(client, app.url, stop=2, max_tokens=2000, headers={"X-Request-Id": label})
+        deadline = time.monotonic() + 5
+        while app.call("Directory", "num_kept") == 0:  # detached: the Egress replica keeps it
+            assert time.monotonic() < deadline, "the stream was never detached"
+            time.sleep(0.05)
+        r = client.post(f"{app.url}/v1/requests/{label}/cancel")
+        assert r.status_code == 200 and [c["id"] for c in r.json()["cancelled"]] == [first.response_id], r.text
+        _wait_engines_idle(app, timeout=10)
+        gone = client.get(f"{app.url}/v1/requests/{first.response_id}/events")
+    assert gone.status_code == 404
+    assert app.call("Directory", "num_kept") == 0

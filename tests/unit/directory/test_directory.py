@@ -70,13 +70,15 @@ def test_aborts_forwarded_for_a_draining_replica_reach_it_once_and_expire_if_it_
 
 
 # -- kept (resumable) streams ------------------------------------------------------------------------------
-def test_keep_replaces_the_live_entry_so_a_cancel_no_longer_finds_it():
-    """keep: the Ingress's entry goes (nobody holds its connection); the Egress keeps the stream."""
+def test_keep_replaces_the_live_entry_so_a_cancel_names_the_egress_replica():
+    """keep: the Ingress's entry goes (nobody holds its connection); a cancel finds the kept stream
+    under its Egress replica (the caller ends it there) and posts nothing to the old owner."""
     d = LiveDirectory()
     d.sync("ingress-a", [entry("r1", owner="ingress-a", label="L"), entry("r2", owner="ingress-a")], [])
-    d.keep(entry("r1", owner="egress-A", label="L"), 30.0)
+    kept = entry("r1", owner="egress-A", label="L")
+    d.keep(kept, 30.0)
     assert "r1" not in d.entries and set(d.entries) == {"r2"}
-    assert d.cancel("chatcmpl-r1") == [] and d.cancel("L") == []
+    assert d.cancel("chatcmpl-r1") == [kept] and d.cancel("L") == [kept]
     assert d.take_cancels("ingress-a") == []
     assert d.num_kept() == 1
 

@@ -96,7 +96,7 @@ def test_detach_keeps_the_stream_and_tells_the_directory_once() -> None:
         opened(store, t=terms(grace_s=12.5, label="L", key="k1"))
         assert store.detached() == 0
         assert store.detach("r1") is True
-        assert calls.kept == [(LiveEntry("r1", "cmpl-r1", OWNER, "L", "k1"), 12.5)]
+        assert calls.kept == [(LiveEntry("r1", "cmpl-r1", OWNER, "L", "k1", kept=True), 12.5)]
         assert store.detach("r1") is True and len(calls.kept) == 1, "already detached: no second keep"
         assert store.detached() == 1 and "r1" in store
         assert store.detach("nope") is False
