@@ -87,10 +87,25 @@ def cache_home(request: EngineRequest, views: PrefixViews = VIEWS, min_lead: flo
 _spread = itertools.count()
 
 
+#: The Engine routers of this process (one per handle), whose replicas' latest routing stats
+#: :func:`placement_key` reads.
+_ROUTERS: list[EngineRouter] = []
+
+
+def refresh_views() -> None:
+    """Bring :data:`VIEWS` up to the engines' latest cache summaries, as Serve last received them.
+    The routers update it when they route, but a process that routed nothing for a while (another
+    Egress replica took the last turn) would group requests by homes that are seconds old."""
+    for router in _ROUTERS:
+        for replica in router.curr_replicas.values():
+            VIEWS.update(replica.replica_id.unique_id, (replica.routing_stats or {}).get("prefix"))
+
+
 def placement_key(request: EngineRequest) -> Hashable:
     """Which requests may share one submit call (one call goes to one replica): those with the same
     cache home; the others are dealt round-robin into one group per engine replica, so a burst of
     new conversations is spread by load instead of landing on one replica in one call."""
+    refresh_views()
     home = cache_home(request)
     if home is not None:
         return ("home", home)
@@ -112,6 +127,7 @@ class EngineRouter(RequestRouter):
         self._sent = SentSinceReport()
         self._turn = itertools.count()
         self._rng = random.Random()
+        _ROUTERS.append(self)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

@@ -83,8 +83,23 @@ def test_an_add_is_accepted_then_streamed_to_its_end() -> None:
     assert [t for o in outs for t in o.new_token_ids] == reference([5, 6, 7], 5)
 
 
+def _slow_engine(step_s: float = 0.002) -> Any:
+    """A fake engine whose steps take ``step_s`` and whose requests can run for thousands of
+    tokens: a request aborted mid-way is still running when the abort arrives, however loaded the
+    machine is."""
+    engine = make_engine(num_blocks=4096, model_max_len=16384)
+    execute = engine.runner.execute
+
+    def slow(*args: Any, **kw: Any) -> Any:
+        time.sleep(step_s)
+        return execute(*args, **kw)
+
+    engine.runner.execute = slow
+    return engine
+
+
 def test_an_abort_frees_the_request_and_is_timed() -> None:
-    h = Harness()
+    h = Harness(_slow_engine())
     h.loop.send(_add("a", [5, 6, 7], 10_000))
     h.wait_for(lambda: len(h.outputs("a")) > 2)
     h.loop.send(Abort("a", time.monotonic()))
