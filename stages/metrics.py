@@ -279,26 +279,24 @@ class _EgressCollector:
         self.egress = egress
 
     def collect(self) -> Iterable[Any]:
-        yield CounterMetricFamily(PREFIX + "migrations", "Requests moved to another engine replica after theirs was lost.",
-                                  value=self.egress.migrations)
-        yield CounterMetricFamily(PREFIX + "migration_recomputed_tokens",
-                                  "Tokens (prompt and carried over) computed again by the replica a request moved to.",
-                                  value=self.egress.recomputed_tokens)
-        s = self.store
-        yield GaugeMetricFamily(PREFIX + "resumable_streams", "Resumable streams whose events are kept.",
-                                value=len(s))
-        yield GaugeMetricFamily(PREFIX + "resumable_streams_detached",
-                                "Kept streams with no client attached (within their grace period).",
-                                value=s.detached())
-        yield GaugeMetricFamily(PREFIX + "resume_kept_bytes", "Bytes of events kept for reconnects.",
-                                value=s.nbytes)
-        yield CounterMetricFamily(PREFIX + "resumable_requests", "Streams that asked to be resumable.",
-                                  value=s.opened)
-        yield CounterMetricFamily(PREFIX + "resume_reconnects", "Reconnects that took a kept stream.",
-                                  value=s.reconnects)
-        yield CounterMetricFamily(PREFIX + "resume_replayed_events", "Kept events sent again on a reconnect.",
-                                  value=s.replayed)
-        yield CounterMetricFamily(PREFIX + "resume_expired", "Detached streams nobody reconnected to in time.",
-                                  value=s.expired)
-        yield CounterMetricFamily(PREFIX + "resume_dropped", "Streams whose kept events passed the byte cap.",
-                                  value=s.dropped)
+        e, s = self.egress, self.store
+        counters = [
+            ("migrations", "Requests moved to another engine replica after theirs was lost.", e.migrations),
+            ("migration_recomputed_tokens",
+             "Tokens (prompt and carried over) computed again by the replica a request moved to.", e.recomputed_tokens),
+            ("resumable_requests", "Streams that asked to be resumable.", s.opened),
+            ("resume_reconnects", "Reconnects that took a kept stream.", s.reconnects),
+            ("resume_replayed_events", "Kept events sent again on a reconnect.", s.replayed),
+            ("resume_expired", "Detached streams nobody reconnected to in time.", s.expired),
+            ("resume_dropped", "Streams whose kept events passed the byte cap.", s.dropped),
+        ]
+        gauges = [
+            ("resumable_streams", "Resumable streams whose events are kept.", len(s)),
+            ("resumable_streams_detached", "Kept streams with no client attached (within their grace period).",
+             s.detached()),
+            ("resume_kept_bytes", "Bytes of events kept for reconnects.", s.nbytes),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(PREFIX + name, doc, value=value)

@@ -16,6 +16,7 @@ import asyncio
 import secrets
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,6 +134,23 @@ class ServeApp:
     def engine_reports(self) -> list[Any]:
         """Every engine replica's latest report to the Directory (at most a report period old)."""
         return self.call("Directory", "engines")
+
+    def wait_engines_idle(self, engines: int, timeout: float = 120.0, *, directory_empty: bool = False) -> list[Any]:
+        """Wait until ``engines`` healthy engine replicas report nothing running, waiting or
+        streaming and every KV block free (and, with ``directory_empty``, no live request in the
+        Directory); returns their reports."""
+        deadline = time.monotonic() + timeout
+        while True:
+            reports = [r for r in self.engine_reports() if r.healthy]
+            idle = len(reports) == engines and all(
+                r.stats["num_running"] == 0 and r.stats["num_waiting"] == 0 and r.stats.get("num_streams", 0) == 0
+                and r.stats["num_free_blocks"] == r.stats["num_kv_blocks"] for r in reports)
+            if idle and (not directory_empty or self.call("Directory", "num_live") == 0):
+                return reports
+            if time.monotonic() > deadline:
+                live = self.call("Directory", "live_entries")
+                raise AssertionError(f"not idle after {timeout} s: live {live}; engines {[r.stats for r in reports]}")
+            time.sleep(0.1)
 
 
 _LOOP: asyncio.AbstractEventLoop | None = None

@@ -25,7 +25,6 @@ Plain asyncio (no Ray), so it is unit-tested directly; :mod:`stages.egress.deplo
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,8 +71,6 @@ class Kept:
     #: Ended by this store (its record was dropped while detached): never ended twice.
     aborted: bool = False
     reconnects: int = 0
-    #: ``time.monotonic()`` when the record goes (``None``: not while attached and running).
-    expires_at: float | None = None
     timer: asyncio.TimerHandle | None = None
 
 
@@ -218,13 +215,12 @@ class ResumeStore:
     # -- internals --------------------------------------------------------------------------------------
     def _expire_in(self, kept: Kept, seconds: float) -> None:
         self._cancel_timer(kept)
-        kept.expires_at = time.monotonic() + seconds
         kept.timer = asyncio.get_running_loop().call_later(seconds, self._expire, kept)
 
     def _cancel_timer(self, kept: Kept) -> None:
         if kept.timer is not None:
             kept.timer.cancel()
-        kept.timer, kept.expires_at = None, None
+        kept.timer = None
 
     def _expire(self, kept: Kept) -> None:
         if self._kept.get(kept.request_id) is not kept:

@@ -87,16 +87,13 @@ def cache_home(request: EngineRequest, views: PrefixViews = VIEWS, min_lead: flo
 _spread = itertools.count()
 
 
-#: The Engine routers of this process (one per handle), whose replicas' latest routing stats
-#: :func:`placement_key` reads.
-_ROUTERS: list[EngineRouter] = []
-
-
 def refresh_views() -> None:
     """Bring :data:`VIEWS` up to the engines' latest cache summaries, as Serve last received them.
     The routers update it when they route, but a process that routed nothing for a while (another
     Egress replica took the last turn) would group requests by homes that are seconds old."""
-    for router in _ROUTERS:
+    from stages.routing.live_routers import ROUTERS
+
+    for router in ROUTERS:
         for replica in router.curr_replicas.values():
             VIEWS.update(replica.replica_id.unique_id, (replica.routing_stats or {}).get("prefix"))
 
@@ -127,7 +124,11 @@ class EngineRouter(RequestRouter):
         self._sent = SentSinceReport()
         self._turn = itertools.count()
         self._rng = random.Random()
-        _ROUTERS.append(self)
+        # Imported here, not at the top: Serve may pickle this class by value, and a global it
+        # refers to (a list of live routers, with their futures) must not come along.
+        from stages.routing.live_routers import ROUTERS
+
+        ROUTERS.append(self)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

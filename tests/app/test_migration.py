@@ -61,17 +61,6 @@ def _kill_busiest_engine(app: Any) -> str:
     return victim
 
 
-def _wait_two_idle_engines(app: Any, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        reports = _engines(app)
-        if len(reports) == 2 and all(r.stats["num_running"] == 0 and r.stats["num_free_blocks"] == r.stats["num_kv_blocks"]
-                                     for r in reports):
-            return
-        assert time.monotonic() < deadline, "the killed engine was not replaced"
-        time.sleep(0.5)
-
-
 def _check(run: Events, clean: Events) -> None:
     assert run.events[-1][1] == "[DONE]" and all('"error"' not in d for _, d in run.events), run.events[-3:]
     assert run.ids() == list(range(len(run.events)))
@@ -81,7 +70,7 @@ def _check(run: Events, clean: Events) -> None:
 
 @pytest.fixture(scope="module")
 def app(serve_app_replicas: Any) -> Any:
-    _wait_two_idle_engines(serve_app_replicas)
+    serve_app_replicas.wait_engines_idle(2, 180)
     return serve_app_replicas
 
 
@@ -104,7 +93,7 @@ def test_greedy_streams_move_off_a_killed_engine_without_a_seam(app: Any) -> Non
 
 
 def test_a_seeded_stream_moved_draws_what_it_would_have(app: Any) -> None:
-    _wait_two_idle_engines(app)
+    app.wait_engines_idle(2, 180)
     body = _body("Invent a name for a new colour.", temperature=1.0, seed=1234)
     clean = _run(app.url, body)  # alone: batch 1
     started: list[int] = []
@@ -116,4 +105,4 @@ def test_a_seeded_stream_moved_draws_what_it_would_have(app: Any) -> None:
         _kill_busiest_engine(app)
         run = future.result(timeout=180)
     _check(run, clean)
-    _wait_two_idle_engines(app)  # others share this app
+    app.wait_engines_idle(2, 180)  # others share this app

@@ -37,18 +37,7 @@ def _reports(app: Any) -> list[Any]:
 
 def _wait_idle(app: Any, timeout: float = 120.0) -> list[Any]:
     """Both engines idle with every block free, and no live request left in the directory."""
-    deadline = time.monotonic() + timeout
-    while True:
-        reports = _reports(app)
-        idle = len(reports) == 2 and all(
-            r.stats["num_running"] == 0 and r.stats["num_waiting"] == 0 and r.stats["num_streams"] == 0
-            and r.stats["num_free_blocks"] == r.stats["num_kv_blocks"] for r in reports)
-        if idle and app.call("Directory", "num_live") == 0:
-            return reports
-        if time.monotonic() > deadline:
-            live = app.call("Directory", "live_entries")
-            raise AssertionError(f"not idle after {timeout} s: live {live}; engines {[r.stats for r in reports]}")
-        time.sleep(0.25)
+    return app.wait_engines_idle(2, timeout, directory_empty=True)
 
 
 @pytest.fixture(scope="module")

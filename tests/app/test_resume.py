@@ -46,17 +46,6 @@ def _resume(client: httpx.Client, url: str, key: str, after: int, stop: int | No
         return Events().read(resp, stop)
 
 
-def _wait_engines_idle(app: Any, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        reports = app.engine_reports()
-        if len(reports) == 2 and all(r.stats["num_running"] == 0 and r.stats["num_waiting"] == 0
-                                     and r.stats["num_free_blocks"] == r.stats["num_kv_blocks"] for r in reports):
-            return
-        assert time.monotonic() < deadline, [r.stats for r in reports]
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def app(serve_app_replicas: Any) -> Any:
     return serve_app_replicas
@@ -125,7 +114,7 @@ def _log_lines(path: str, label: str, count: int = 2, timeout: float = 10.0) -> 
 def test_resume_after_the_request_finished_within_its_grace(app: Any, clean: Events) -> None:
     with httpx.Client(timeout=120) as client:
         first = _start(client, app.url, stop=2)
-        _wait_engines_idle(app)  # it finished with nobody attached: its events are kept
+        app.wait_engines_idle(2, 30)  # it finished with nobody attached: its events are kept
         rest = _resume(client, app.url, first.response_id, first.last_id)
     _check_joined([first, rest], clean)
 
@@ -136,7 +125,7 @@ def test_a_stream_nobody_reconnects_to_is_aborted_when_its_grace_ends(app: Any) 
         time.sleep(0.5)
         busy = app.engine_reports()
         assert any(r.stats["num_running"] for r in busy), "the request should still run, detached"
-        _wait_engines_idle(app, timeout=15)  # aborted at expiry: its blocks are free
+        app.wait_engines_idle(2, 15)  # aborted at expiry: its blocks are free
         r = client.get(f"{app.url}/v1/requests/{first.response_id}/events")
     assert r.status_code == 404 and r.json()["error"]["code"] == "request_not_found"
     assert app.call("Directory", "num_kept") == 0
@@ -182,7 +171,7 @@ def test_a_stream_that_did_not_ask_is_aborted_at_once(app: Any) -> None:
     with httpx.Client(timeout=120) as client:
         first = _start(client, app.url, stop=2, grace=None, max_tokens=2000)
         t0 = time.monotonic()
-        _wait_engines_idle(app, timeout=5)
+        app.wait_engines_idle(2, 5)
         r = client.get(f"{app.url}/v1/requests/{first.response_id}/events")
     assert time.monotonic() - t0 < 5
     assert r.status_code == 404
@@ -198,7 +187,7 @@ def test_a_detached_stream_cancelled_by_id_ends_and_is_no_longer_resumable(app: 
             time.sleep(0.05)
         r = client.post(f"{app.url}/v1/requests/{label}/cancel")
         assert r.status_code == 200 and [c["id"] for c in r.json()["cancelled"]] == [first.response_id], r.text
-        _wait_engines_idle(app, timeout=10)
+        app.wait_engines_idle(2, 10)
         gone = client.get(f"{app.url}/v1/requests/{first.response_id}/events")
     assert gone.status_code == 404
     assert app.call("Directory", "num_kept") == 0
