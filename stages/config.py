@@ -62,6 +62,10 @@ class EngineSettings(_Section):
     #: it (a burst's requests are in, their first tokens not yet out), so it may borrow their core.
     prefill_threads: int = Field(0, ge=0)
     prefill_threads_min_tokens: int = Field(128, ge=1)
+    #: Threads a decode step may use while the other processes leave that many cores idle, checked
+    #: four times a second (:mod:`stages.engine.runner.spare_cores`); otherwise ``num_threads``.
+    #: 0: always ``num_threads``.
+    decode_threads: int = Field(0, ge=0)
     #: Token budget of one step (the prefill chunk size).
     max_num_batched_tokens: int = Field(512, ge=1)
     #: Most running requests in one step (also the size of the largest decode graph).
@@ -83,6 +87,10 @@ class EngineSettings(_Section):
     #: Quantised matmuls: auto (the block kernel built for this CPU: int8 activations, integer dot
     #: products; torch's int4/int8 kernels where it cannot be built) | native | torch.
     quant_kernel: Literal["auto", "native", "torch"] = "auto"
+    #: The instruction set the CPU kernels are built for: auto (everything this CPU has) | avx512 |
+    #: avx2 | generic (plain C, what runs where there is neither, ARM included). Anything but auto is
+    #: for comparing paths on one machine; a set this CPU lacks fails at start.
+    cpu_isa: Literal["auto", "avx512", "avx2", "generic"] = "auto"
     #: Steps whose prefill chunks all end within this many tokens of context run their prompt tokens
     #: through the paged kernel with the decodes (one call per layer); longer ones gather + SDPA. 0: never.
     prefill_kernel_max_len: int = Field(4096, ge=0)

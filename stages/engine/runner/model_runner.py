@@ -21,6 +21,7 @@ from stages.engine.core.scheduler import ScheduledRequest
 from stages.engine.runner.decode_graphs import DecodeGraphs
 from stages.engine.runner.flex_paged import FlexPagedAttention
 from stages.engine.runner.loader import quantized_weights, resolve_weights
+from stages.engine.runner.spare_cores import SpareCores
 from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
 from stages.transport.messages import TokenLogprob
 
@@ -75,6 +76,9 @@ class ModelRunner:
         #: Intra-op threads of an ordinary step, and of one that prefills many tokens (CPU only).
         self.step_threads = torch.get_num_threads()
         self.prefill_threads = (config.prefill_threads or self.step_threads) if self.device.type == "cpu" else self.step_threads
+        #: Decode steps' threads, from what the other processes leave idle (CPU only).
+        self.spare = (SpareCores(self.step_threads, config.decode_threads)
+                      if self.device.type == "cpu" and config.decode_threads > self.step_threads else None)
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise NotImplementedError(f"architecture {arch} is not supported (have {ARCHITECTURES})")
@@ -90,7 +94,7 @@ class ModelRunner:
         self.weights = resolve_weights(config.weights, model, str(self.device))
         self.block_kernel = None
         if self.weights != "float32":
-            self.block_kernel = self._block_kernel(config.quant_kernel)
+            self.block_kernel = self._block_kernel(config.quant_kernel, config.cpu_isa)
             linears, head = quantized_weights(self.weights, model, self.args, state_dict,
                                               lm_head, block_kernel=self.block_kernel is not None)
             llama.quantize_(linears, head, dense_min_rows, self.block_kernel)
@@ -113,6 +117,10 @@ class ModelRunner:
         self.paged_kernel = self._decode_kernel(config.attention) if self.attention == "paged_kernel" else None
         if self.attention == "paged_kernel" and self.paged_kernel is None:
             self.attention = "sdpa"  # auto, and the kernel did not build
+        if self.paged_kernel is not None and self.block_kernel is not None:
+            from stages.engine.runner.kernels import decode_layers
+
+            self.model.enable_fused_decode(decode_layers(config.cpu_isa), self.kv_caches)
         self.flex: FlexPagedAttention | None = None
         self.graphs: DecodeGraphs | None = None
         if self.attention == "flex":
@@ -124,11 +132,11 @@ class ModelRunner:
         from stages.engine.runner.kernels import row_argmax
 
         # Greedy decoding's argmax as one vector scan per row on CPU (torch's: ~1 ns an element).
-        self.sampler = Sampler(self.device, argmax=row_argmax() if self.device.type == "cpu" else None)
+        self.sampler = Sampler(self.device, argmax=row_argmax(config.cpu_isa) if self.device.type == "cpu" else None)
         self._masks: concurrent.futures.ThreadPoolExecutor | None = None
 
     @staticmethod
-    def _block_kernel(choice: str) -> Any:
+    def _block_kernel(choice: str, isa: str) -> Any:
         """The block-quantised matmul kernel, or None for torch's int4/int8 kernels."""
         if choice not in ("auto", "native", "torch"):
             raise ValueError(f"quant_kernel must be auto, native or torch, not {choice!r}")
@@ -136,7 +144,7 @@ class ModelRunner:
             return None
         from stages.engine.runner.kernels import quant_matmul
 
-        kernel = quant_matmul()
+        kernel = quant_matmul(isa)
         if kernel is None and choice == "native":
             raise RuntimeError("quant_kernel=native: the kernel could not be built (see the log)")
         return kernel
@@ -172,7 +180,7 @@ class ModelRunner:
             return None
         from stages.engine.runner.kernels import paged_attention
 
-        kernel = paged_attention()
+        kernel = paged_attention(self.config.cpu_isa)
         if kernel is None and choice == "paged_kernel":
             raise RuntimeError("attention=paged_kernel: the kernel could not be built (see the log)")
         return kernel
@@ -284,9 +292,12 @@ class ModelRunner:
 
     def threads_for(self, batch: list[ScheduledRequest]) -> int:
         """Intra-op threads for ``batch``: ``prefill_threads`` when its prompt chunks hold at least
-        ``prefill_threads_min_tokens`` tokens, else the ordinary step's."""
+        ``prefill_threads_min_tokens`` tokens, else the ordinary step's, or up to ``decode_threads``
+        while the machine's other cores are idle."""
         prompt = sum(s.num_new_tokens for s in batch if s.num_new_tokens > 1)
-        return self.prefill_threads if prompt >= self.config.prefill_threads_min_tokens else self.step_threads
+        if prompt >= self.config.prefill_threads_min_tokens:
+            return self.prefill_threads
+        return self.spare.threads() if self.spare is not None else self.step_threads
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest], grammars: Any = None
@@ -297,7 +308,7 @@ class ModelRunner:
 
         ``grammars`` (a :class:`~stages.engine.core.structured.GrammarBackend`) fills the structured-output
         masks of the sampling rows while the model runs (llguidance works without the GIL)."""
-        if self.prefill_threads != self.step_threads:
+        if self.prefill_threads != self.step_threads or self.spare is not None:
             threads = self.threads_for(batch)
             if threads != torch.get_num_threads():  # cheap; the OpenMP pools keep their threads
                 torch.set_num_threads(threads)

@@ -4,15 +4,17 @@ Torch has no decode attention that reads a paged KV cache through block tables o
 takes dense K/V, and FlexAttention's paged path needs ``torch.compile``), so without one every
 decode step gathers every sequence's K/V into a padded copy per layer: at 32 streams and ~170
 tokens of context that is ~0.5 GB of copying per step. ``paged_attention.cpp`` reads the blocks
-in place instead. ``quant_matmul.cpp`` multiplies by the GGUF's own quantised blocks, and
+in place instead. ``quant_matmul.cpp`` multiplies by the GGUF's own quantised blocks,
+``decode_layers.cpp`` runs a decode step's whole layer stack on those two in one call, and
 ``argmax.cpp`` is greedy decoding's argmax as one vector scan per row.
 
-The source is compiled once per machine with the system C++ compiler (``g++ -O3 -march=native``:
-AVX2, AVX-512 or whatever this CPU has) into ``~/.cache/lifecycle-serve/kernels`` (or
-``$LIFECYCLE_KERNEL_CACHE``), keyed by the source, the compiler and the CPU's feature flags, so
-another CPU or a changed source builds afresh. It is a plain C ABI with no torch headers: the build
-takes about a second. ctypes releases the GIL for the call. Where no compiler is found or the
-build fails, :func:`paged_attention` returns ``None`` and the engine keeps its gather + SDPA path.
+The sources are compiled together, once per machine, with the system C++ compiler (``g++ -O3
+-march=native``: AVX2, AVX-512 or whatever this CPU has; ``engine.cpu_isa`` picks an older set) into
+one library in ``~/.cache/lifecycle-serve/kernels`` (or ``$LIFECYCLE_KERNEL_CACHE``), keyed by the
+sources, the compiler, the flags and the CPU's feature flags, so another CPU or a changed source
+builds afresh. It is a plain C ABI with no torch headers. ctypes releases the GIL for each call.
+Where no compiler is found or the build fails, every loader here returns ``None`` and the engine
+keeps its torch paths.
 """
 
 from __future__ import annotations
@@ -27,15 +29,16 @@ import tempfile
 import threading
 from functools import cache
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("paged_attention.cpp")
-_QUANT_SRC = Path(__file__).with_name("quant_matmul.cpp")
-_ARGMAX_SRC = Path(__file__).with_name("argmax.cpp")
+_DIR = Path(__file__).parent
+#: The library's sources, compiled as one shared object.
+SOURCES = tuple(_DIR / name for name in ("paged_attention.cpp", "quant_matmul.cpp", "argmax.cpp", "decode_layers.cpp"))
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _lock = threading.Lock()
 
 
@@ -54,18 +57,42 @@ def _cpu_key() -> str:
     return " ".join(sorted(cpu_flags()))
 
 
-def build(src: Path = _SRC, march: str = "native") -> Path:
-    """Compile ``src`` for this machine (or find it already built); returns the shared library.
-    ``march`` other than ``native`` builds for an older instruction set (tests use ``haswell`` to run
-    the AVX2 paths on an AVX-512 machine). Raises ``RuntimeError`` when there is no compiler or the
-    build fails."""
-    flags = [f"-march={march}", *_FLAGS]
+#: ``engine.cpu_isa`` -> the feature flags it needs and the ``-march`` it builds with ("": the
+#: compiler's default target, which uses no AVX on x86 and runs on any CPU of the architecture).
+ISAS = {
+    "auto": ((), "native"),
+    "avx512": (("avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"), "native"),
+    "avx2": (("avx2", "fma", "f16c"), "haswell"),
+    "generic": ((), ""),
+}
+
+
+def march_for(isa: str) -> str:
+    """The ``-march`` value for ``engine.cpu_isa`` ``isa``; ``ValueError`` where this CPU lacks it."""
+    from stages.engine.runner.quant import cpu_flags
+
+    if isa not in ISAS:
+        raise ValueError(f"cpu_isa must be one of {sorted(ISAS)}, not {isa!r}")
+    needs, march = ISAS[isa]
+    missing = [f for f in needs if f not in cpu_flags()]
+    if missing:
+        raise ValueError(f"cpu_isa={isa}: this CPU lacks {', '.join(missing)}")
+    return march
+
+
+def build(sources: Sequence[Path] = SOURCES, march: str = "native") -> Path:
+    """Compile ``sources`` into one library for this machine (or find it already built); returns
+    its path. ``march`` other than ``native`` builds for an older instruction set (``haswell``: the
+    AVX2 paths on an AVX-512 machine; "": the compiler's baseline). Raises ``RuntimeError`` when
+    there is no compiler or the build fails."""
+    flags = [*([f"-march={march}"] if march else []), *_FLAGS]
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([src.read_text(), cxx, version, " ".join(flags), _cpu_key()]).encode())
-    out = cache_dir() / f"{src.stem}-{key.hexdigest()[:16]}.so"
+    texts = [src.read_text() for src in sources]
+    key = hashlib.sha256("\0".join([*texts, cxx, version, " ".join(flags), _cpu_key()]).encode())
+    out = cache_dir() / f"lifecycle-kernels-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -73,9 +100,10 @@ def build(src: Path = _SRC, march: str = "native") -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cxx, *flags, str(src), "-o", tmp], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cxx, *flags, *map(str, sources), "-o", tmp], capture_output=True, text=True,
+                              timeout=600)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cxx} failed building {src.name}: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cxx} failed building the kernels: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -193,38 +221,74 @@ class RowArgmax:
         return out
 
 
-def _open(src: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build(src)))
+def library(march: str = "native") -> ctypes.CDLL:
+    """The library built for ``march``, loaded (:func:`_load_kernel` keeps what it wraps)."""
+    with _lock:
+        lib = ctypes.CDLL(str(build(SOURCES, march)))
     if lib.lifecycle_kernels_abi_version() != _ABI_VERSION:
-        raise RuntimeError(f"{src.name}: kernel ABI version mismatch")
+        raise RuntimeError("kernel ABI version mismatch")
     return lib
 
 
+class DecodeLayers:
+    """Every decoder layer of a decode-only step in one call (see ``decode_layers.cpp``)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.lifecycle_decode_layers
+        i32, ptr, f32 = ctypes.c_int32, ctypes.c_void_p, ctypes.c_float
+        fn.argtypes = [ptr, i32, i32, i32, i32, i32, i32, i32, ptr, f32, ptr, ptr, ptr, i32, ptr, i32, ptr, i32,
+                       f32, i32]
+        fn.restype = None
+        self._fn = fn
+        #: Addresses per layer in the table :meth:`__call__` takes.
+        self.nptr = int(lib.lifecycle_decode_layers_nptr())
+
+    def __call__(self, x: Any, dims: tuple[int, int, int, int, int], table: Any, eps: float, cos: Any, sin: Any,
+                 slots: Any, cache_bf16: bool, tables: Any, ctx_lens: Any, block_size: int, scale: float,
+                 threads: int) -> None:
+        """Run the layers over ``x`` ``[rows, hidden]`` float32 in place. ``dims`` is (hidden, heads,
+        kv_heads, head_dim, intermediate); ``table`` ``[layers, nptr]`` int64 addresses; ``cos``,
+        ``sin`` ``[rows, head_dim]`` float32; ``slots`` ``[rows]`` int64; ``tables``/``ctx_lens`` as
+        :class:`PagedDecodeAttention`. The caller keeps every addressed buffer alive and checks
+        dtypes and shapes (:class:`stages.engine.runner.models.llama.FusedDecode`)."""
+        hidden, heads, kv_heads, head_dim, inter = dims
+        self._fn(x.data_ptr(), x.shape[0], hidden, heads, kv_heads, head_dim, inter, table.shape[0], table.data_ptr(),
+                 eps, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), int(cache_bf16), tables.data_ptr(),
+                 tables.shape[1], ctx_lens.data_ptr(), block_size, scale, threads)
+
+
 @cache
-def _load_kernel(src: Path, wrapper: Any, fallback: str) -> Any:
-    """``wrapper`` around the library built from ``src``, or ``None`` (logged, with what is used
-    instead) where it cannot be built or loaded here. Built once per process."""
-    with _lock:
-        try:
-            return wrapper(_open(src))
-        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-            logger.warning("%s kernel unavailable, using %s: %s", src.stem, fallback, exc)
-            return None
+def _load_kernel(wrapper: Any, fallback: str, isa: str) -> Any:
+    """``wrapper`` around the library built for ``isa`` (``engine.cpu_isa``), or ``None`` (logged,
+    with what is used instead) where it cannot be built or loaded here. A CPU that lacks ``isa``
+    raises ``ValueError``."""
+    march = march_for(isa)
+    try:
+        return wrapper(library(march))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("%s unavailable, using %s: %s", wrapper.__name__, fallback, exc)
+        return None
 
 
-def paged_attention() -> PagedDecodeAttention | None:
+def paged_attention(isa: str = "auto") -> PagedDecodeAttention | None:
     """The built kernel, or ``None`` where it cannot be built here (then use the SDPA path)."""
-    result: PagedDecodeAttention | None = _load_kernel(_SRC, PagedDecodeAttention, "gather + SDPA")
+    result: PagedDecodeAttention | None = _load_kernel(PagedDecodeAttention, "gather + SDPA", isa)
     return result
 
 
-def row_argmax() -> RowArgmax | None:
+def row_argmax(isa: str = "auto") -> RowArgmax | None:
     """The built argmax where it is vectorised here, or ``None`` (then torch's argmax)."""
-    result: RowArgmax | None = _load_kernel(_ARGMAX_SRC, RowArgmax, "torch.argmax")
+    result: RowArgmax | None = _load_kernel(RowArgmax, "torch.argmax", isa)
     return result if result is not None and result.vectorized else None
 
 
-def quant_matmul() -> QuantMatmul | None:
+def quant_matmul(isa: str = "auto") -> QuantMatmul | None:
     """The built block-quantised matmul, or ``None`` where it cannot be built here."""
-    result: QuantMatmul | None = _load_kernel(_QUANT_SRC, QuantMatmul, "torch's int4/int8 kernels")
+    result: QuantMatmul | None = _load_kernel(QuantMatmul, "torch's int4/int8 kernels", isa)
+    return result
+
+
+def decode_layers(isa: str = "auto") -> DecodeLayers | None:
+    """The built whole-layer decode step, or ``None`` where it cannot be built here."""
+    result: DecodeLayers | None = _load_kernel(DecodeLayers, "the per-op decode path", isa)
     return result

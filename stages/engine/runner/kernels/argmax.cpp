@@ -87,6 +87,5 @@ int32_t lifecycle_argmax_vectorized() {
 #endif
 }
 
-int32_t lifecycle_kernels_abi_version() { return 1; }
 
 }  // extern "C"

@@ -251,6 +251,5 @@ void lifecycle_paged_decode_attention(const float* q, int64_t q_seq_stride, cons
 #undef LIFECYCLE_DECODE
 }
 
-int32_t lifecycle_kernels_abi_version() { return 1; }
 
 }  // extern "C"

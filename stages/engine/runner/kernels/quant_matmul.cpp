@@ -214,9 +214,12 @@ void tile(const Activations& a, int64_t row0, int64_t k, const uint8_t* wq, cons
 }
 #elif defined(__AVX2__)
 #define LIFECYCLE_QUANT_ISA 1
-// The same with two 8-lane halves per tile; maddubs (u8 x s8 -> int16 pairs) then madd to int32.
-// Q8_0 uses |w| and moves w's sign onto x, so both operands stay within 127 and the int16 pair sums
-// cannot saturate.
+// The same with two 8-lane halves per tile (maddubs: u8 x s8 -> int16 pair sums). Each broadcast of
+// four activations feeds both halves. Q4_1 sums a block's products in int16 and widens once per
+// block: a pair sum is at most 2 * 15 * 127 = 3810 and a block adds eight of them per lane (30480),
+// so nothing saturates or wraps, and a quarter of the instructions go. Q8_0 uses |w| and moves w's
+// sign onto x, so both operands stay within 127 and each pair sum fits; two would not, so it widens
+// per group.
 template <int RN, bool Q4>
 void tile(const Activations& a, int64_t row0, int64_t k, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
           int64_t t, float* out, int64_t out_stride, int64_t n_valid) {
@@ -228,32 +231,45 @@ void tile(const Activations& a, int64_t row0, int64_t k, const uint8_t* wq, cons
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t tb = t * nb + b;
     const uint8_t* chunk = wq + tb * CHUNKS * 64;
-    for (int h = 0; h < 2; ++h) {
-      __m256i w[8];
-      if (Q4) {
-        for (int c = 0; c < 4; ++c) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + c * 64 + h * 32));
-          w[c] = _mm256_and_si256(v, nib);
-          w[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    const int8_t* xb[RN];
+    for (int r = 0; r < RN; ++r) xb[r] = a.qx.data() + ((row0 + r) * nb + b) * QK;
+    __m256i s[RN][2];
+    for (int r = 0; r < RN; ++r) s[r][0] = s[r][1] = _mm256_setzero_si256();
+    if (Q4) {
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + c * 64));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + c * 64 + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, nib), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), nib);
+        const __m256i lo1 = _mm256_and_si256(v1, nib), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
+        for (int r = 0; r < RN; ++r) {
+          const __m256i xl = _mm256_set1_epi32(group4(xb[r] + 4 * c)), xh = _mm256_set1_epi32(group4(xb[r] + 4 * c + 16));
+          s[r][0] = _mm256_add_epi16(s[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh)));
+          s[r][1] = _mm256_add_epi16(s[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh)));
         }
-      } else {
-        for (int g = 0; g < 8; ++g)
-          w[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + g * 64 + h * 32));
       }
+      for (int r = 0; r < RN; ++r) {
+        s[r][0] = _mm256_madd_epi16(s[r][0], ones);
+        s[r][1] = _mm256_madd_epi16(s[r][1], ones);
+      }
+    } else {
+      for (int g = 0; g < 8; ++g) {
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + g * 64));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + g * 64 + 32));
+        const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+        for (int r = 0; r < RN; ++r) {
+          const __m256i x = _mm256_set1_epi32(group4(xb[r] + 4 * g));
+          s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones));
+          s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w1)), ones));
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wd + tb * TILE + h * 8)));
       __m256 m = _mm256_setzero_ps();
       if (Q4) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wm + tb * TILE + h * 8)));
       for (int r = 0; r < RN; ++r) {
         const int64_t rb = (row0 + r) * nb + b;
-        const int8_t* xb = a.qx.data() + rb * QK;
-        __m256i s = _mm256_setzero_si256();
-        for (int g = 0; g < 8; ++g) {
-          const __m256i x = _mm256_set1_epi32(group4(xb + 4 * g));
-          const __m256i p = Q4 ? _mm256_maddubs_epi16(w[g], x)
-                               : _mm256_maddubs_epi16(_mm256_sign_epi8(w[g], w[g]), _mm256_sign_epi8(x, w[g]));
-          s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-        }
-        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(a.dx[rb])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r][h]), _mm256_mul_ps(d, _mm256_set1_ps(a.dx[rb])), acc[r][h]);
         if (Q4) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a.sx[rb]), acc[r][h]);
       }
     }
@@ -382,6 +398,7 @@ void lifecycle_quantize_q8(const float* x, int32_t rows, int64_t k, int8_t* qx, 
 // Which dot-product path this build uses: 3 AVX512-VNNI, 1 AVX2, 0 plain C.
 int32_t lifecycle_quant_isa() { return LIFECYCLE_QUANT_ISA; }
 
-int32_t lifecycle_kernels_abi_version() { return 1; }
+// The library's ABI version (kernels/__init__.py checks it).
+int32_t lifecycle_kernels_abi_version() { return 2; }
 
 }  // extern "C"

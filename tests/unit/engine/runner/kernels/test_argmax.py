@@ -37,7 +37,7 @@ def test_the_kernel_picks_what_torch_picks(n: int) -> None:
 
 
 def test_the_scalar_build_picks_what_torch_picks_and_says_it_is_not_vectorised() -> None:
-    lib = ctypes.CDLL(str(kernels.build(kernels._ARGMAX_SRC, march="haswell")))
+    lib = ctypes.CDLL(str(kernels.build(march="haswell")))
     scalar = kernels.RowArgmax(lib)
     assert not scalar.vectorized, "an AVX2 build scans scalar: the engine would not use it"
     for n in (1, 17, 49152):

@@ -107,8 +107,8 @@ def test_build_is_cached_per_source(tmp_path, monkeypatch):
     mtime = first.stat().st_mtime_ns
     assert kernels.build() == first and first.stat().st_mtime_ns == mtime  # found, not rebuilt
     changed = tmp_path / "paged_attention.cpp"
-    changed.write_text(kernels._SRC.read_text() + "\n// changed\n")
-    assert kernels.build(changed) != first
+    changed.write_text(kernels.SOURCES[0].read_text() + "\n// changed\n")
+    assert kernels.build((changed, *kernels.SOURCES[1:])) != first
 
 
 @needs_kernel

@@ -53,7 +53,7 @@ def avx2_kernel() -> kernels.QuantMatmul | None:
     if "avx2" not in cpu_flags():
         return None
     try:
-        lib = ctypes.CDLL(str(kernels.build(kernels._QUANT_SRC, march="haswell")))
+        lib = ctypes.CDLL(str(kernels.build(march="haswell")))
     except (OSError, RuntimeError):
         return None
     return kernels.QuantMatmul(lib)
@@ -208,12 +208,12 @@ def test_runner_falls_back_to_torch_kernels_without_a_compiler(monkeypatch, tmp_
     monkeypatch.setenv("LIFECYCLE_KERNEL_CACHE", str(tmp_path / "cache"))
     kernels._load_kernel.cache_clear()
     try:
-        assert ModelRunner._block_kernel("auto") is None
+        assert ModelRunner._block_kernel("auto", "auto") is None
         with pytest.raises(RuntimeError):
-            ModelRunner._block_kernel("native")
+            ModelRunner._block_kernel("native", "auto")
     finally:
         kernels._load_kernel.cache_clear()
-    assert ModelRunner._block_kernel("torch") is None
+    assert ModelRunner._block_kernel("torch", "auto") is None
 
 
 def test_isa_is_what_this_cpu_has():
@@ -231,3 +231,39 @@ def test_quant_linear_block_kernel_agrees_with_float_within_int8_noise():
     exact = F.linear(x, layer.reference_weight)
     rel = (layer(x) - exact).norm() / exact.norm()
     assert rel < 0.02, rel  # int8 activations: about 0.5% relative error
+
+
+@pytest.mark.parametrize(("isa", "name", "needs"), [
+    ("avx512", "avx512-vnni", {"avx512f", "avx512bw", "avx512_vnni"}),
+    ("avx2", "avx2", {"avx2", "fma", "f16c"}),
+    ("generic", "scalar", set()),
+])
+def test_engine_cpu_isa_forces_each_path_this_cpu_has(isa, name, needs):
+    """``engine.cpu_isa`` builds the library for that set, and its matmul agrees with the native one:
+    to the last bit on the vector paths (the same fused multiply-adds per block), to float rounding
+    on the plain C one (a multiply and an add where they fuse)."""
+    from stages.engine.runner.quant import cpu_flags
+
+    if not needs <= cpu_flags():
+        pytest.skip(f"this CPU lacks {needs - cpu_flags()}")
+    forced = kernels.quant_matmul(isa)
+    assert forced is not None and forced.isa_name == name
+    w = torch.randn(48, 96) * 0.05
+    native = QuantLinear(GroupInt4.quantize(w), None, dense_min_rows=1 << 30, keep_dense=False, block_kernel=kernel)
+    other = QuantLinear(GroupInt4.quantize(w), None, dense_min_rows=1 << 30, keep_dense=False, block_kernel=forced)
+    x = torch.randn(5, 96)
+    if name == "scalar":
+        torch.testing.assert_close(other(x), native(x), rtol=1e-5, atol=1e-5)
+    else:
+        assert torch.equal(native(x), other(x))
+
+
+def test_a_cpu_isa_this_cpu_lacks_fails_at_once(monkeypatch):
+    from stages.engine.runner import quant
+
+    monkeypatch.setattr(quant, "cpu_flags", lambda: frozenset({"sse2"}))
+    with pytest.raises(ValueError, match="lacks avx2"):
+        kernels.march_for("avx2")
+    with pytest.raises(ValueError, match="cpu_isa must be one of"):
+        kernels.march_for("neon")
+    assert kernels.march_for("generic") == "" and kernels.march_for("auto") == "native"
