@@ -9,9 +9,11 @@ autoscaler starts.
 The rule: a daemon thread per CPU-stage replica reads the process's RSS every ``period_s``; when it
 has grown by ``grow_bytes`` since the last trim, it calls glibc's ``malloc_trim(0)``, which returns
 the free pages of every arena. The check costs microseconds and the trim runs only after growth,
-off the event loop (ctypes releases the GIL during the call). The engine's step process is left
-alone: its tensors are freed and reallocated every step, and returning those pages would make
-each step fault them in again. Where libc has no ``malloc_trim`` (not glibc), this does nothing.
+off the event loop (ctypes releases the GIL during the call). The engine's step process trims
+once, after loading the model (:func:`trim_now`: the float state dict and the repacking's
+temporaries, ~250 MB for the embedded model), and is then left alone: its tensors are freed and
+reallocated every step, and returning those pages would make each step fault them in again. Where
+libc has no ``malloc_trim`` (not glibc), this does nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ def _malloc_trim():
         return None
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim
+
+
+def trim_now() -> bool:
+    """Return every arena's free pages to the system now; whether any were."""
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
 
 
 def rss_bytes() -> int:

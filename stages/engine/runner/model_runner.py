@@ -22,6 +22,7 @@ from stages.engine.runner.decode_graphs import DecodeGraphs
 from stages.engine.runner.flex_paged import FlexPagedAttention
 from stages.engine.runner.loader import quantized_weights, resolve_weights
 from stages.engine.runner.spare_cores import SpareCores
+from stages.heap import trim_now
 from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
 from stages.transport.messages import TokenLogprob
 
@@ -134,6 +135,8 @@ class ModelRunner:
         # Greedy decoding's argmax as one vector scan per row on CPU (torch's: ~1 ns an element).
         self.sampler = Sampler(self.device, argmax=row_argmax(config.cpu_isa) if self.device.type == "cpu" else None)
         self._masks: concurrent.futures.ThreadPoolExecutor | None = None
+        # Loading freed the float state dict and the repacking's temporaries: give that back.
+        trim_now()
 
     @staticmethod
     def _block_kernel(choice: str, isa: str) -> Any:

@@ -227,7 +227,9 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", weight.scale.bfloat16())
         self.register_buffer("bias", bias.float() if bias is not None else None)
         self.dense_min_rows = dense_min_rows if keep_dense else 1 << 62
-        self._source = weight
+        # The block kernel's buffers hold everything (reference_weight unpacks them); torch's int4
+        # packing is opaque, so those layers keep their source.
+        self._source = None if self.kind in ("q4_1", "q8_0") else weight
         dense = self.reference_weight.to(dense_dtype()) if keep_dense else None
         self.register_buffer("dense", dense)
 
@@ -235,8 +237,10 @@ class QuantLinear(nn.Module):
     def reference_weight(self) -> torch.Tensor:
         """The float32 weights the quantised kernel computes with (for parity references)."""
         if self.kind == "q4_1":
-            assert isinstance(self._source, GroupInt4)
-            return self._source.dequantize_q4_1()
+            return unpack_q4_1(self.qweight, self.scales, self.mins, self.out_features)
+        if self.kind == "q8_0":
+            return unpack_q8_0(self.qweight, self.scales, self.out_features)
+        assert self._source is not None
         return self._source.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -294,6 +298,32 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+
+
+class HeadEmbedding(nn.Module):
+    """The token embedding read from a tied Q8_0 LM head's own blocks: a step's rows are unpacked as
+    they are looked up, so the model holds no float32 copy of the table (the embedded model's is
+    113 MB). Only where that is exact: :meth:`LlamaForCausalLM.quantize_` checks the whole table."""
+
+    def __init__(self, head: QuantLinear) -> None:
+        super().__init__()
+        assert head.kind == "q8_0"
+        self.head = [head]  # not a submodule: its buffers belong to the LM head
+        self.embedding_dim = head.in_features
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table, unpacked (for checks; a forward unpacks only its rows)."""
+        head = self.head[0]
+        return unpack_q8_0(head.qweight, head.scales, head.out_features)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        head = self.head[0]
+        t, nb = head.qweight.shape[:2]
+        tile, row = ids // TILE, ids % TILE
+        q = head.qweight.view(t, nb, 8, TILE, 4)[tile, :, :, row, :]           # [rows, nb, 8, 4]
+        d = head.scales[tile, :, row].float()                                    # [rows, nb]
+        return (q.reshape(len(ids), nb, GROUP).float() * d[..., None]).reshape(len(ids), nb * GROUP)
 
 
 #: Row counts tried by :func:`calibrate_dense_min_rows`, smallest first: torch's int4/int8 kernels
@@ -375,3 +405,26 @@ def pack_q8_0(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     n, k = q.shape
     packed = q.view(n // TILE, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4).reshape(n // TILE, k // GROUP, 8, 64)
     return packed.contiguous(), d.half().view(n // TILE, TILE, k // GROUP).permute(0, 2, 1).contiguous()
+
+
+def unpack_q4_1(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, n: int) -> torch.Tensor:
+    """The float32 weights ``[n, K]`` of :func:`pack_q4_1`'s layout: ``q * d + m`` per block, exactly
+    :meth:`GroupInt4.dequantize_q4_1`."""
+    t, nb = packed.shape[:2]
+    g = packed.view(t, nb, 4, TILE, 4).permute(0, 3, 1, 2, 4)               # [T, 16, nb, 4, 4]
+    q = torch.cat([g & 0x0F, g >> 4], dim=3).reshape(t * TILE, nb, GROUP)   # groups 0-3 low, 4-7 high
+    w = q.float() * _unscale(d)[..., None] + _unscale(m)[..., None]
+    return w.reshape(t * TILE, nb * GROUP)[:n]
+
+
+def unpack_q8_0(packed: torch.Tensor, d: torch.Tensor, n: int) -> torch.Tensor:
+    """The float32 weights ``[n, K]`` of :func:`pack_q8_0`'s layout, exactly :meth:`BlockInt8.dequantize`."""
+    t, nb = packed.shape[:2]
+    q = packed.view(t, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(t * TILE, nb, GROUP)
+    return (q.float() * _unscale(d)[..., None]).reshape(t * TILE, nb * GROUP)[:n]
+
+
+def _unscale(v: torch.Tensor) -> torch.Tensor:
+    """fp16 scales ``[T, nb, 16]`` -> float32 ``[T*16, nb]``."""
+    t, nb, _ = v.shape
+    return v.permute(0, 2, 1).reshape(t * TILE, nb).float()

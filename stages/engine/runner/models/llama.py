@@ -280,7 +280,7 @@ class LlamaForCausalLM(nn.Module):
                                      for m in mods):
             return False
         dtypes = {c.dtype for pair in kv_caches for c in pair}
-        if self.embed_tokens.weight.dtype != torch.float32 or len(dtypes) != 1 or \
+        if self.layers[0].input_layernorm.weight.dtype != torch.float32 or len(dtypes) != 1 or \
                 not dtypes <= {torch.float32, torch.bfloat16}:
             return False
         self.fused_decode = FusedDecode(kernel, self, kv_caches, min(m.dense_min_rows for m in mods))
@@ -323,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
         ``linears`` (quantised weights by Hugging Face name: ``GroupInt4`` or ``ChannelInt8``), fusing
         q/k/v and gate/up as the float layers are fused; ``lm_head`` likewise when given. The
         embedding stays a float table: a step reads only its own tokens' rows."""
-        from stages.engine.runner.quant import DenseLinear, QuantLinear
+        from stages.engine.runner.quant import DenseLinear, HeadEmbedding, QuantLinear
 
         def fused(names: list[str], bias: nn.Linear | None = None, residual: bool = False) -> QuantLinear:
             parts = [linears[n] for n in names]
@@ -343,6 +343,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = DenseLinear(lm_head)
         elif lm_head is not None:
             self.lm_head = QuantLinear(lm_head, None, dense_min_rows, block_kernel=block_kernel)
+            if self.args.tie_word_embeddings and self.lm_head.kind == "q8_0":
+                shared = HeadEmbedding(self.lm_head)
+                if torch.equal(shared.weight, self.embed_tokens.weight):
+                    # The table is the head's Q8_0 blocks exactly: look rows up there, drop the copy.
+                    self.embed_tokens = shared
         if dense_min_rows <= 0:
             self.calibrate_dense_min_rows()
 

@@ -142,3 +142,17 @@ def test_bf16_lm_head_option():
     assert got.dtype == torch.float32
     assert ((got - want).abs() <= want.abs() * 2.0**-8 + 1e-4).all()
     assert torch.equal(head.reference_weight, w.bfloat16().float())
+
+
+@pytest.mark.parametrize("n", [16, 45])
+def test_block_layers_unpack_their_own_buffers_to_the_exact_reference(n):
+    """A block-kernel layer keeps no copy of its source weights: ``reference_weight`` unpacks the
+    kernel's tiles, bit for bit what the source dequantised to (tail tile included)."""
+    from stages.engine.runner.quant import BlockInt8, unpack_q4_1, unpack_q8_0
+    from stages.engine.runner.quant import pack_q4_1, pack_q8_0
+
+    w = torch.randn(n, 96) * 0.05
+    g = GroupInt4.quantize(w)
+    assert torch.equal(unpack_q4_1(*pack_q4_1(g.q, *g.q4_1_fp16()), n), g.dequantize_q4_1())
+    b = BlockInt8.quantize(w)
+    assert torch.equal(unpack_q8_0(*pack_q8_0(b.q, b.d), n), b.dequantize())
