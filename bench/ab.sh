@@ -9,6 +9,8 @@
 # checkout's client, so both sides are measured the same way) writes OUT/compare_<label>/. The two
 # sides never overlap: run nothing else meanwhile, on two cores the comparison is only as good as
 # the quiet. REPEATS (3) and LEVELS (1,8,32) pass through; ORDER=reverse serves AFTER first.
+# BEFORE_CONFIG / AFTER_CONFIG (a path) replace that side's serve_config.yaml (e.g. one with
+# `cpu_isa: avx2`); PEER_BIN picks the llama-server binary (e.g. the AVX2-only build).
 set -euo pipefail
 out=$(realpath -m "$1"); before=$2; after=$3
 repo=$(git rev-parse --show-toplevel); py=$repo/.venv/bin/python
@@ -19,6 +21,8 @@ serve_one() {  # label ref
   local label=$1 ref=$2 tree pid
   tree=$(mktemp -d /tmp/ab-"$label".XXXX)
   git -C "$repo" worktree add -q --detach "$tree" "$ref"
+  local config_var="${label^^}_CONFIG"
+  if [ -n "${!config_var:-}" ]; then cp "${!config_var}" "$tree/serve_config.yaml"; fi
   (cd "$tree" && PYTHONPATH=$tree RAY_ADDRESS=local RAY_USAGE_STATS_ENABLED=0 \
      RAY_SERVE_HAPROXY_BINARY_PATH=$repo/bin/haproxy-edge \
      LIFECYCLE_HAPROXY_BINARY=$(env -u RAY_SERVE_HAPROXY_BINARY_PATH "$py" -c \
@@ -31,7 +35,7 @@ serve_one() {  # label ref
     sleep 1
   done
   "$py" -m bench compare --url http://127.0.0.1:8000 --repeats "$repeats" --levels "$levels" \
-    --no-progress --out "$out/compare_$label"
+    ${PEER_BIN:+--peer-bin "$PEER_BIN"} --no-progress --out "$out/compare_$label"
   kill -INT "$pid"
   for _ in $(seq 15); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL "$pid" 2>/dev/null || true
