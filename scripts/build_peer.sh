@@ -12,6 +12,12 @@ mkdir -p "$PEER_DIR"
 ISA="${PEER_ISA:-native}"
 if [ "$ISA" = native ]; then
   NAME=llama-server; ISA_FLAGS=(-DGGML_NATIVE=ON)
+  if [ "$(uname -m)" = x86_64 ]; then
+    # ggml's AMX matmul faults (ldtilecfg: SIGSEGV) on VMs that list AMX but do not enable its tile
+    # state, as the Xeon VMs here do: build without it (torch's oneDNN checks and runs AMX there).
+    NO_AMX="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    ISA_FLAGS+=("-DCMAKE_C_FLAGS=$NO_AMX" "-DCMAKE_CXX_FLAGS=$NO_AMX")
+  fi
 elif [ "$ISA" = avx2 ]; then
   NAME=llama-server-avx2
   ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON

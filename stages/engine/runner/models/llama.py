@@ -274,6 +274,7 @@ class LlamaForCausalLM(nn.Module):
         float32 or bfloat16; returns whether it does."""
         from stages.engine.runner.quant import QuantLinear
 
+        self.fused_decode = None
         mods = [m for layer in self.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                        layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if kernel is None or not all(isinstance(m, QuantLinear) and m.kind in ("q4_1", "q8_0") and m.bias is None

@@ -19,6 +19,7 @@ import torch
 from stages.config import EngineSettings
 from stages.engine.core.engine import LLMEngine
 from stages.engine.runner import kernels
+from stages.engine.runner.models.llama import FusedDecode
 from stages.engine.runner.quant import cpu_flags
 from stages.model_info import EMBEDDED_MODEL
 from stages.transport.messages import SamplingParams
@@ -30,9 +31,9 @@ pytestmark = pytest.mark.skipif(kernels.decode_layers() is None, reason="the ker
 
 
 @functools.cache
-def engine(isa: str, kv_cache_dtype: str = "auto") -> LLMEngine:
+def engine(kv_cache_dtype: str = "auto") -> LLMEngine:
     return LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(
-        num_threads=1, num_kv_blocks=256, cpu_isa=isa, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False))
+        num_threads=1, num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False))
 
 
 def isas() -> list:
@@ -85,19 +86,26 @@ def compare_each_step(eng: LLMEngine, steps: int, rows: int, prompt_len: int = 2
 
 @pytest.mark.parametrize("isa", isas())
 def test_fused_decode_matches_the_per_op_path(isa):
-    eng = engine(isa)
-    assert compare_each_step(eng, steps=6, rows=3) >= 5
+    """Each instruction set's build of the fused step (the per-op path keeps the native matmuls)."""
+    eng = engine()
+    model = eng.runner.model
+    native = model.fused_decode
+    model.fused_decode = FusedDecode(kernels.decode_layers(isa), model, eng.runner.kv_caches, native.max_rows)
+    try:
+        assert compare_each_step(eng, steps=6, rows=3) >= 5
+    finally:
+        model.fused_decode = native
 
 
 def test_fused_decode_with_a_float32_cache_and_odd_batch_sizes():
-    eng = engine("auto", "float32")
+    eng = engine("float32")
     assert eng.runner.model.fused_decode.cache_bf16 is False
     assert compare_each_step(eng, steps=4, rows=7, prompt_len=40) >= 3
 
 
 def test_short_prompts_run_as_kernel_rows_through_the_fused_path_too():
     """A step of short prompts is all kernel rows (``prefill_kernel_max_len``): fused, and the same."""
-    eng = engine("auto")
+    eng = engine()
     fused = eng.runner.model.fused_decode
     seen = []
     applies = fused.applies
@@ -110,5 +118,16 @@ def test_short_prompts_run_as_kernel_rows_through_the_fused_path_too():
 
 
 def test_fused_decode_is_off_where_a_matmul_is_not_on_the_block_kernel():
-    eng = LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(num_threads=1, num_kv_blocks=64, quant_kernel="torch"))
-    assert eng.runner.model.fused_decode is None
+    eng = engine()
+    model = eng.runner.model
+    native = model.fused_decode
+    down = model.layers[3].mlp.down_proj
+    try:
+        down.kind = "int4"
+        assert not model.enable_fused_decode(kernels.decode_layers(), eng.runner.kv_caches)
+        down.kind = "q4_1"
+        assert not model.enable_fused_decode(None, eng.runner.kv_caches)
+        assert model.enable_fused_decode(kernels.decode_layers(), eng.runner.kv_caches)
+    finally:
+        down.kind = "q4_1"
+        model.fused_decode = native
