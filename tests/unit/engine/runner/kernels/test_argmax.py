@@ -1,5 +1,5 @@
 """Greedy decoding's argmax kernel (``kernels/argmax.cpp``): the same indices as torch's argmax,
-ties and NaNs included, in the native build and the AVX2 (scalar) one; the sampler uses it."""
+ties and NaNs included, in every build this CPU runs (native, AVX2, plain C); the sampler uses it."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import torch
 
 from stages.engine.core.sampler import Sampler, SamplingContext
 from stages.engine.runner import kernels
+from stages.engine.runner.quant import cpu_flags
 from stages.transport.messages import SamplingParams
 
 native = kernels.row_argmax()
-pytestmark = pytest.mark.skipif(native is None, reason="no AVX-512 build here: the engine keeps torch's argmax")
+pytestmark = pytest.mark.skipif(native is None, reason="no vector build here: the engine keeps torch's argmax")
 
 
 def _logits(n: int) -> torch.Tensor:
@@ -36,13 +37,15 @@ def test_the_kernel_picks_what_torch_picks(n: int) -> None:
         "rows further apart than they are long (a strided view)"
 
 
-def test_the_scalar_build_picks_what_torch_picks_and_says_it_is_not_vectorised() -> None:
-    lib = ctypes.CDLL(str(kernels.build(march="haswell")))
-    scalar = kernels.RowArgmax(lib)
-    assert not scalar.vectorized, "an AVX2 build scans scalar: the engine would not use it"
-    for n in (1, 17, 49152):
+@pytest.mark.parametrize(("march", "vectorized"), [("haswell", True), ("", False)])
+def test_the_avx2_and_plain_builds_pick_what_torch_picks(march: str, vectorized: bool) -> None:
+    if march == "haswell" and "avx2" not in cpu_flags():
+        pytest.skip("no AVX2 here")
+    build = kernels.RowArgmax(ctypes.CDLL(str(kernels.build(march=march))))
+    assert build.vectorized is vectorized, "a plain C build scans scalar: the engine would not use it"
+    for n in (1, 5, 7, 8, 9, 17, 49152, 49153):
         x = _logits(n)
-        assert torch.equal(scalar(x), x.argmax(dim=-1))
+        assert torch.equal(build(x), x.argmax(dim=-1)), n
 
 
 def test_greedy_sampling_through_the_kernel_gives_torchs_tokens() -> None:
