@@ -91,8 +91,9 @@ def test_fused_decode_matches_the_per_op_path(isa):
     model = eng.runner.model
     native = model.fused_decode
     model.fused_decode = FusedDecode(kernels.decode_layers(isa), model, eng.runner.kv_caches, native.max_rows)
+    steps = 3 if isa == "generic" else 6  # plain C matmuls are slow: fewer steps say as much
     try:
-        assert compare_each_step(eng, steps=6, rows=3) >= 5
+        assert compare_each_step(eng, steps=steps, rows=3) >= steps - 1
     finally:
         model.fused_decode = native
 
