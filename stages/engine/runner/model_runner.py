@@ -21,9 +21,9 @@ from stages.engine.core.scheduler import ScheduledRequest
 from stages.engine.runner.decode_graphs import DecodeGraphs
 from stages.engine.runner.flex_paged import FlexPagedAttention
 from stages.engine.runner.loader import quantized_weights, resolve_weights
+from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
 from stages.engine.runner.spare_cores import SpareCores
 from stages.heap import trim_now
-from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
 from stages.transport.messages import TokenLogprob
 
 logger = logging.getLogger(__name__)

@@ -27,9 +27,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)

@@ -22,6 +22,18 @@ int64_t first_nan(const float* x, int64_t n) {
   return -1;
 }
 
+// The lanes' maxima to one: the greatest value, the lowest index among equals.
+[[maybe_unused]] inline void best_of_lanes(const float* vals, const int32_t* ids, int lanes, float& best,
+                                           int64_t& best_i) {
+  best = vals[0];
+  best_i = ids[0];
+  for (int l = 1; l < lanes; ++l)
+    if (vals[l] > best || (vals[l] == best && ids[l] < best_i)) {
+      best = vals[l];
+      best_i = ids[l];
+    }
+}
+
 int64_t argmax_row(const float* x, int64_t n) {
   if (n <= 0) return 0;
   int64_t i = 0, best_i = 0;
@@ -46,13 +58,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     alignas(64) int32_t ids[16];
     _mm512_store_ps(vals, bv);
     _mm512_store_si512(ids, bi);
-    best = vals[0];
-    best_i = ids[0];
-    for (int l = 1; l < 16; ++l)
-      if (vals[l] > best || (vals[l] == best && ids[l] < best_i)) {
-        best = vals[l];
-        best_i = ids[l];
-      }
+    best_of_lanes(vals, ids, 16, best, best_i);
   } else {
     i = 1;
   }
@@ -77,13 +83,7 @@ int64_t argmax_row(const float* x, int64_t n) {
     alignas(32) int32_t ids[8];
     _mm256_store_ps(vals, bv);
     _mm256_store_si256(reinterpret_cast<__m256i*>(ids), bi);
-    best = vals[0];
-    best_i = ids[0];
-    for (int l = 1; l < 8; ++l)
-      if (vals[l] > best || (vals[l] == best && ids[l] < best_i)) {
-        best = vals[l];
-        best_i = ids[l];
-      }
+    best_of_lanes(vals, ids, 8, best, best_i);
   } else {
     i = 1;
   }

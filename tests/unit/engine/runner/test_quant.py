@@ -148,8 +148,7 @@ def test_bf16_lm_head_option():
 def test_block_layers_unpack_their_own_buffers_to_the_exact_reference(n):
     """A block-kernel layer keeps no copy of its source weights: ``reference_weight`` unpacks the
     kernel's tiles, bit for bit what the source dequantised to (tail tile included)."""
-    from stages.engine.runner.quant import BlockInt8, unpack_q4_1, unpack_q8_0
-    from stages.engine.runner.quant import pack_q4_1, pack_q8_0
+    from stages.engine.runner.quant import BlockInt8, pack_q4_1, pack_q8_0, unpack_q4_1, unpack_q8_0
 
     w = torch.randn(n, 96) * 0.05
     g = GroupInt4.quantize(w)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 from stages.config import EngineSettings
 from stages.engine.core.engine import LLMEngine
