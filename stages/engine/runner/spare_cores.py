@@ -4,8 +4,8 @@ A decode step at a few rows is bound by streaming the weights, and a second thre
 but on a small machine the CPU stages (Ingress, Preprocess, Egress, Ray's own processes) share the
 same cores: a second decode thread that takes their core delays every token they carry. So the
 step asks, at most every ``window_s``, how busy everything but this process has been since the last
-look: ``/proc/stat``'s busy time of the CPUs this process may run on, less this process's own CPU
-time. It uses ``n`` threads while the others leave at least ``n - 1/2`` cores idle (on 2 cores: the
+look: ``/proc/stat``'s busy time of the whole machine, less this process's own CPU time, against
+the CPUs this process may run on. It uses ``n`` threads while the others leave at least ``n - 1/2`` cores idle (on 2 cores: the
 others use under half a core), else the configured base. Stat reads cost microseconds, once a
 window. Where ``/proc/stat`` cannot be read, the base is used.
 

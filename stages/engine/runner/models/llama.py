@@ -266,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_and_init_buffers()
         #: The whole layer stack of a decode-only step in one kernel call, where it applies
         #: (:meth:`enable_fused_decode`).
-        self.fused_decode: FusedDecode | None = None
+        self.fused_decode: Any = None  # a stages.engine.runner.fused_decode.FusedDecode
 
     def enable_fused_decode(self, kernel: Any, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Run decode-only steps through ``kernel`` (:func:`stages.engine.runner.kernels.decode_layers`)
@@ -284,6 +284,8 @@ class LlamaForCausalLM(nn.Module):
         if self.layers[0].input_layernorm.weight.dtype != torch.float32 or len(dtypes) != 1 or \
                 not dtypes <= {torch.float32, torch.bfloat16}:
             return False
+        from stages.engine.runner.fused_decode import FusedDecode
+
         self.fused_decode = FusedDecode(kernel, self, kv_caches, min(m.dense_min_rows for m in mods))
         return True
 
@@ -407,49 +409,6 @@ class LlamaForCausalLM(nn.Module):
                 layer.mlp.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
                 layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
                 layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
-
-
-class FusedDecode:
-    """The decoder layers of a step whose rows are all single-token queries over the paged kernel,
-    as one call into ``decode_layers.cpp``: the same arithmetic as :class:`DecoderLayer` op for op,
-    without ~25 torch dispatches per layer. Keeps the address table of every weight and cache
-    buffer it reads (the model and the runner keep the buffers)."""
-
-    def __init__(self, kernel: Any, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 max_rows: int) -> None:
-        args = model.args
-        self.kernel = kernel
-        #: Rows from which the matmuls switch to their dense copies: the per-op path runs those.
-        self.max_rows = max_rows
-        self.dims = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size)
-        self.eps = float(model.layers[0].input_layernorm.eps)
-        self.scale = float(model.layers[0].self_attn.scale)
-        self.cache_bf16 = kv_caches[0][0].dtype == torch.bfloat16
-
-        def linear(m: Any) -> list[int]:
-            return [m.qweight.data_ptr(), m.scales.data_ptr(), m.mins.data_ptr() if m.mins is not None else 0]
-
-        rows = []
-        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            assert all(t.is_contiguous() for t in (k_cache, v_cache, layer.input_layernorm.weight))
-            rows.append([layer.input_layernorm.weight.data_ptr(), *linear(attn.qkv_proj), *linear(attn.o_proj),
-                         *linear(mlp.gate_up_proj), *linear(mlp.down_proj),
-                         layer.post_attention_layernorm.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()])
-        self.table = torch.tensor(rows, dtype=torch.int64)
-        if self.table.shape[1] != kernel.nptr:
-            raise RuntimeError(f"decode_layers expects {kernel.nptr} addresses per layer, not {self.table.shape[1]}")
-
-    def applies(self, meta: AttentionMetadata, rows: int) -> bool:
-        return meta.paged_kernel is not None and meta.num_decodes == rows and rows < self.max_rows
-
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata) -> None:
-        """``x`` ``[rows, hidden]`` float32, in place; ``cos``/``sin`` as :meth:`LlamaForCausalLM.rope`."""
-        assert meta.decode_tables is not None and meta.decode_ctx_lens is not None
-        t = x.shape[0]
-        self.kernel(x, self.dims, self.table, self.eps, cos.reshape(t, -1).contiguous(),
-                    sin.reshape(t, -1).contiguous(), meta.slot_mapping.contiguous(), self.cache_bf16,
-                    meta.decode_tables, meta.decode_ctx_lens, meta.block_size, self.scale, meta.kernel_threads)
 
 
 #: transformers architecture names this module serves.

@@ -18,7 +18,7 @@ import pytest
 from stages.config import EngineSettings
 from stages.engine.core.engine import LLMEngine
 from stages.engine.runner import kernels
-from stages.engine.runner.models.llama import FusedDecode
+from stages.engine.runner.fused_decode import FusedDecode
 from stages.engine.runner.quant import cpu_flags
 from stages.model_info import EMBEDDED_MODEL
 from stages.transport.messages import SamplingParams
