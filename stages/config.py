@@ -92,8 +92,10 @@ class EngineSettings(_Section):
     #: for comparing paths on one machine; a set this CPU lacks fails at start.
     cpu_isa: Literal["auto", "avx512", "avx2", "generic"] = "auto"
     #: Steps whose prefill chunks all end within this many tokens of context run their prompt tokens
-    #: through the paged kernel with the decodes (one call per layer); longer ones gather + SDPA. 0: never.
-    prefill_kernel_max_len: int = Field(4096, ge=0)
+    #: through the paged kernel with the decodes (one call per layer, each token a row reading its
+    #: whole context); longer ones gather + one tiled SDPA per chunk, which wins past ~128 tokens
+    #: (:mod:`stages.engine.runner.prefill_attention`). 0: never.
+    prefill_kernel_max_len: int = Field(128, ge=0)
     #: KV-cache dtype: auto (bfloat16 for quantised weights on CPU, else the model's) | float32 | bfloat16
     #: (half the memory, twice the tokens per GB, fewer bytes read by attention; K and V rounded).
     kv_cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"

@@ -22,6 +22,7 @@ from stages.engine.runner.decode_graphs import DecodeGraphs
 from stages.engine.runner.flex_paged import FlexPagedAttention
 from stages.engine.runner.loader import quantized_weights, resolve_weights
 from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
+from stages.engine.runner.prefill_attention import chunk_mask, fastest_dtype
 from stages.engine.runner.spare_cores import SpareCores
 from stages.heap import trim_now
 from stages.transport.messages import TokenLogprob
@@ -106,6 +107,11 @@ class ModelRunner:
                     getattr(llama, "dense_min_rows", "-"), time.monotonic() - t0)
 
         self.cache_dtype = cache_dtype(config.kv_cache_dtype, self.weights, self.device, self.dtype)
+        #: The dtype prompt chunks' attention computes in, measured on this CPU.
+        self.prefill_dtype = (fastest_dtype(self.dtype, self.cache_dtype, self.args.num_heads, self.args.num_kv_heads,
+                                            self.args.head_dim, self.prefill_threads)
+                              if self.device.type == "cpu" else self.dtype)
+        logger.info("prompt attention in %s", str(self.prefill_dtype).removeprefix("torch."))
         self.block_size = config.block_size
         self.num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_gb)
         # FlexAttention's padded rows need a block no request owns: one more than the block
@@ -232,6 +238,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=dev),
         )
+        if self.prefill_dtype != self.dtype:
+            meta.prefill_dtype = self.prefill_dtype
         limit = self.config.prefill_kernel_max_len
         if (prefills and self.paged_kernel is not None and limit > 0
                 and all(s.start + s.num_new_tokens <= limit for s in prefills)):
@@ -286,10 +294,7 @@ class ModelRunner:
             nb = -(-(start + n) // self.block_size)
             table = torch.tensor([s.request.block_table[:nb]], dtype=torch.long)
             ctx = self._context_slots(table, start + n)[0].to(dev)
-            # Query i sits at position start+i and sees every context position <= its own.
-            q_pos = torch.arange(start, start + n, device=dev)[:, None]
-            mask = torch.arange(start + n, device=dev)[None, :] <= q_pos
-            meta.prefills.append((offset, offset + n, ctx, mask))
+            meta.prefills.append((offset, offset + n, ctx, chunk_mask(start, n, self.prefill_dtype, dev)))
             offset += n
         return torch.tensor(ids, dtype=torch.long, device=dev), meta, ordered
 

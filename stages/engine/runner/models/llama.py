@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages.engine.runner.prefill_attention import chunk_attention
+
 
 @dataclass
 class LlamaArgs:
@@ -72,7 +74,8 @@ class AttentionMetadata:
     Tokens are ordered: first every single-token query (decodes), then each multi-token prefill
     chunk. ``decode_slots[b]`` lists the cache slots of decode ``b``'s whole context (padded;
     ``decode_mask`` marks the real ones). Each prefill is ``(q_start, q_end, ctx_slots, mask)``
-    where ``mask[i, j]`` is True when query ``i`` may attend to context slot ``j``.
+    where ``mask`` is the additive mask of :func:`~stages.engine.runner.prefill_attention.chunk_mask`
+    in ``prefill_dtype`` (None: causal from position 0).
     """
 
     positions: torch.Tensor
@@ -99,6 +102,9 @@ class AttentionMetadata:
     #: it: decodes read the blocks ``flex_mask`` lists for their row, in place.
     flex: Any = None
     flex_mask: Any = None
+    #: The dtype prompt chunks' attention computes in (None: the model's;
+    #: :func:`~stages.engine.runner.prefill_attention.fastest_dtype`).
+    prefill_dtype: torch.dtype | None = None
     #: Flattened indices of the tokens whose logits are wanted (one per sampling sequence).
     logits_indices: torch.Tensor | None = None
 
@@ -182,20 +188,12 @@ class Attention(nn.Module):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(q[:nd], meta, k_cache, v_cache)
+        dt = meta.prefill_dtype or q.dtype
         for start, end, ctx_slots, mask in meta.prefills:
-            # (A cache in another dtype than the model's, e.g. bfloat16 for float32: read it as q's.)
-            kp = k_cache.index_select(0, ctx_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kvh, L, d]
-            vp = v_cache.index_select(0, ctx_slots).to(q.dtype).transpose(0, 1).unsqueeze(0)
-            qp = q[start:end].transpose(0, 1).unsqueeze(0)       # [1, H, Q, d]
-            if kp.shape[2] == end - start:
-                # A chunk from position 0: plain causal attention, which torch's flash kernel skips
-                # the masked half of (an explicit mask costs it ~2x at 2,000 tokens).
-                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale,
-                                                    enable_gqa=True)
-            else:
-                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale,
-                                                    enable_gqa=True)
-            out[start:end] = op.squeeze(0).transpose(0, 1)
+            # (A cache in another dtype than the compute dtype, e.g. float32 over bfloat16: convert.)
+            kp = k_cache.index_select(0, ctx_slots).to(dt)
+            vp = v_cache.index_select(0, ctx_slots).to(dt)
+            out[start:end] = chunk_attention(q[start:end].to(dt), kp, vp, mask, self.scale)
         return self.o_proj(out.view(t, self.q_size))
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor,
