@@ -1,8 +1,8 @@
 """The server under test, as any OpenAI-compatible client sees it, and one timed streamed request.
 
-``Target.probe`` finds the model and which of this server's extras the URL offers (``/tokenize``,
-``/metrics``, ``server_timing`` in the final chunk, the ``Server-Timing`` header); each subcommand
-falls back, or says what it skips, when one is missing. ``stream_chat`` times every SSE event on
+``Target.probe`` finds the model and which of this server's extras the URL offers (``/tokenize``, ours or
+llama.cpp's, ``/metrics``, ``server_timing`` in the final chunk, the ``Server-Timing`` header); each
+subcommand falls back, or says what it skips, when one is missing. ``stream_chat`` times every SSE event on
 arrival and takes the token count from the server's ``usage``, never from the events.
 """
 
@@ -32,6 +32,9 @@ class Target:
     max_model_len: int | None = None
     server_version: str | None = None
     has_tokenize: bool = False
+    #: How ``/tokenize`` counts a chat prompt: "messages" (``{model, messages}`` → ``count``: this server,
+    #: vLLM) or "llama.cpp" (``/apply-template`` renders the messages, ``/tokenize {content}`` → ``tokens``).
+    tokenize_api: str | None = None
     has_metrics: bool = False
     has_server_timing: bool = False
     has_server_timing_header: bool = False
@@ -74,11 +77,8 @@ async def probe(url: str, model: str | None = None) -> Target:
                     break
             except (httpx.HTTPError, ValueError):
                 pass
-        try:
-            r = await c.post("/tokenize", json={"model": t.model, "messages": [{"role": "user", "content": "hi"}]})
-            t.has_tokenize = r.status_code == 200 and isinstance(r.json().get("count"), int)
-        except (httpx.HTTPError, ValueError):
-            pass
+        t.tokenize_api = await _tokenize_api(c, t)
+        t.has_tokenize = t.tokenize_api is not None
         try:
             r = await c.get("/metrics")
             t.has_metrics = r.status_code == 200 and "# TYPE" in r.text
@@ -90,6 +90,36 @@ async def probe(url: str, model: str | None = None) -> Target:
         t.has_server_timing = isinstance(r.json().get("server_timing"), dict)
         t.has_server_timing_header = "server-timing" in r.headers
     return t
+
+
+async def _tokenize_api(client: httpx.AsyncClient, t: Target) -> str | None:
+    """The first ``/tokenize`` dialect that counts a one-message chat prompt as a positive number of
+    tokens (llama.cpp answers our dialect with an empty ``tokens`` list, hence the check), or None."""
+    for api in ("messages", "llama.cpp"):
+        try:
+            if await count_chat_tokens(client, Target(t.url, t.model, tokenize_api=api),
+                                       [{"role": "user", "content": "hi"}]) > 0:
+                return api
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            pass
+    return None
+
+
+async def count_chat_tokens(client: httpx.AsyncClient, t: Target, messages: list[dict[str, Any]]) -> int:
+    """Tokens of ``messages`` rendered by the server's own chat template and tokenizer: the prompt length
+    its ``usage.prompt_tokens`` will report. llama.cpp's count adds the special tokens its chat path adds."""
+    if t.tokenize_api == "llama.cpp":
+        r = await client.post("/apply-template", json={"messages": messages})
+        r.raise_for_status()
+        r = await client.post("/tokenize", json={"content": r.json()["prompt"], "add_special": True})
+        r.raise_for_status()
+        return len(r.json()["tokens"])
+    r = await client.post("/tokenize", json={"model": t.model, "messages": messages})
+    r.raise_for_status()
+    count = r.json()["count"]
+    if not isinstance(count, int):
+        raise TypeError(f"/tokenize count is {count!r}")
+    return count
 
 
 @dataclass
@@ -228,10 +258,7 @@ async def exact_prompt(client: httpx.AsyncClient, t: Target, tokens: int, tag: s
         return filler(max(1, tokens - 40), tag), None
 
     async def count(n_words: int) -> int:
-        r = await client.post("/tokenize", json={"model": t.model, "messages": [
-            {"role": "user", "content": filler(n_words, tag)}]})
-        r.raise_for_status()
-        return int(r.json()["count"])
+        return await count_chat_tokens(client, t, [{"role": "user", "content": filler(n_words, tag)}])
 
     base = await count(0)
     words = max(0, tokens - base)
