@@ -19,6 +19,7 @@ from stages.engine.core.errors import SamplingError
 from stages.engine.core.sampler import Sampler, SamplingContext
 from stages.engine.core.scheduler import ScheduledRequest
 from stages.engine.runner.decode_graphs import DecodeGraphs
+from stages.engine.runner import kv_pool
 from stages.engine.runner.flex_paged import FlexPagedAttention
 from stages.engine.runner.loader import quantized_weights, resolve_weights
 from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
@@ -118,9 +119,7 @@ class ModelRunner:
         # manager hands out (``num_blocks`` is what it gets).
         cache_blocks = self.num_blocks + (1 if self.attention == "flex" else 0)
         shape = (cache_blocks * self.block_size, self.args.num_kv_heads, self.args.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.cache_dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.cache_dtype, device=self.device))
-                          for _ in range(self.args.num_layers)]
+        self.kv_caches = kv_pool.allocate(self.args.num_layers, shape, self.cache_dtype, self.device)
         self.paged_kernel = self._decode_kernel(config.attention) if self.attention == "paged_kernel" else None
         if self.attention == "paged_kernel" and self.paged_kernel is None:
             self.attention = "sdpa"  # auto, and the kernel did not build
