@@ -18,8 +18,8 @@ from stages.config import EngineSettings
 from stages.engine.core.errors import SamplingError
 from stages.engine.core.sampler import Sampler, SamplingContext
 from stages.engine.core.scheduler import ScheduledRequest
-from stages.engine.runner.decode_graphs import DecodeGraphs
 from stages.engine.runner import kv_pool
+from stages.engine.runner.decode_graphs import DecodeGraphs
 from stages.engine.runner.flex_paged import FlexPagedAttention
 from stages.engine.runner.loader import quantized_weights, resolve_weights
 from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
