@@ -82,20 +82,29 @@ def unpermute_rows(n_rows: int, n_head: int) -> Any:
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def read_gguf_linears(path: str | Path, num_heads: int, num_kv_heads: int) -> dict[str, Any]:
-    """The Q4_1 linear layers of a Llama GGUF by Hugging Face name, as :class:`GroupInt4`, rows in
-    Hugging Face order. Raises ``ValueError`` for any other block type (only Q4_1 maps exactly)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+def gguf_tensors(path: str | Path) -> dict[str, Any]:
+    """The tensors of a GGUF file by name (memory-mapped). Parsing the file's metadata, the tokenizer's
+    vocabulary among it, takes the reader seconds: open each file once."""
+    from gguf import GGUFReader
+
+    return {t.name: t for t in GGUFReader(str(path)).tensors}
+
+
+def read_gguf_linears(tensors: dict[str, Any], num_heads: int, num_kv_heads: int) -> dict[str, Any]:
+    """The Q4_1 linear layers among a GGUF's ``tensors`` (:func:`gguf_tensors`) by Hugging Face name,
+    as :class:`GroupInt4`, rows in Hugging Face order. Raises ``ValueError`` for any other block type
+    (only Q4_1 maps exactly)."""
+    from gguf import GGMLQuantizationType
 
     from stages.engine.runner.quant import GroupInt4
 
     out: dict[str, Any] = {}
-    for t in GGUFReader(str(path)).tensors:
-        parts = t.name.split(".")
+    for name, t in tensors.items():
+        parts = name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[2] not in _GGUF_LINEAR:
             continue
         if t.tensor_type != GGMLQuantizationType.Q4_1:
-            raise ValueError(f"{t.name} is {t.tensor_type.name}; the int4 path maps Q4_1 only")
+            raise ValueError(f"{name} is {t.tensor_type.name}; the int4 path maps Q4_1 only")
         q, d, m = split_q4_1(t.data)
         if parts[2] in ("attn_q", "attn_k"):
             perm = unpermute_rows(q.shape[0], num_heads if parts[2] == "attn_q" else num_kv_heads)
@@ -104,19 +113,17 @@ def read_gguf_linears(path: str | Path, num_heads: int, num_kv_heads: int) -> di
     return out
 
 
-def read_gguf_q8_0(path: str | Path, name: str = "token_embd.weight") -> Any | None:
-    """A Q8_0 tensor of a GGUF as :class:`BlockInt8` (its own blocks, exact), or None when the
-    file stores it otherwise."""
-    from gguf import GGMLQuantizationType, GGUFReader
+def read_gguf_q8_0(tensors: dict[str, Any], name: str = "token_embd.weight") -> Any | None:
+    """A Q8_0 tensor among a GGUF's ``tensors`` as :class:`BlockInt8` (its own blocks, exact), or
+    None when the file stores it otherwise."""
+    from gguf import GGMLQuantizationType
 
     from stages.engine.runner.quant import BlockInt8
 
-    for t in GGUFReader(str(path)).tensors:
-        if t.name == name:
-            if t.tensor_type != GGMLQuantizationType.Q8_0:
-                return None
-            return BlockInt8.from_q8_0(*split_q8_0(t.data))
-    return None
+    t = tensors.get(name)
+    if t is None or t.tensor_type != GGMLQuantizationType.Q8_0:
+        return None
+    return BlockInt8.from_q8_0(*split_q8_0(t.data))
 
 
 def gguf_path(model: str) -> Path | None:
@@ -155,8 +162,9 @@ def quantized_weights(weights: str, model: str, args: Any, state: dict[str, Any]
 
     names = [n for n in state if n.startswith("model.layers.") and n.endswith("_proj.weight")]
     gguf = gguf_path(model)
+    tensors = gguf_tensors(gguf) if gguf is not None else {}
     if weights == "int4" and gguf is not None:
-        linears = read_gguf_linears(gguf, args.num_heads, args.num_kv_heads)
+        linears = read_gguf_linears(tensors, args.num_heads, args.num_kv_heads)
     else:
         fmt = GroupInt4 if weights == "int4" else (BlockInt8 if block_kernel else ChannelInt8)
         linears = {n: fmt.quantize(state[n]) for n in names}
@@ -168,7 +176,7 @@ def quantized_weights(weights: str, model: str, args: Any, state: dict[str, Any]
         w = state.get("lm_head.weight", state["model.embed_tokens.weight"])
         if head_fmt == "q8_0":
             tied = "lm_head.weight" not in state or args.tie_word_embeddings
-            head = (read_gguf_q8_0(gguf) if gguf is not None and tied else None) or BlockInt8.quantize(w)
+            head = (read_gguf_q8_0(tensors) if tied else None) or BlockInt8.quantize(w)
         elif head_fmt == "bf16":
             head = w.bfloat16()
         else:

@@ -103,10 +103,10 @@ def test_embedded_gguf_blocks_match_the_converted_float_weights():
     exactly the float weights transformers converted from the same file."""
     from safetensors import safe_open
 
-    from stages.engine.runner.loader import read_gguf_linears
+    from stages.engine.runner.loader import gguf_tensors, read_gguf_linears
     from stages.model_info import EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
 
-    linears = read_gguf_linears(embedded_gguf_path(), num_heads=9, num_kv_heads=3)
+    linears = read_gguf_linears(gguf_tensors(embedded_gguf_path()), num_heads=9, num_kv_heads=3)
     assert len(linears) == 30 * 7
     with safe_open(str(resolve_model_dir(EMBEDDED_MODEL) / "model.safetensors"), "pt") as f:
         for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",

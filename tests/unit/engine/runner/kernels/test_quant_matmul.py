@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
 from stages.engine.runner import kernels
-from stages.engine.runner.loader import read_gguf_q8_0, split_q4_1, split_q8_0
+from stages.engine.runner.loader import gguf_tensors, read_gguf_q8_0, split_q4_1, split_q8_0
 from stages.engine.runner.quant import (
     GROUP,
     BlockInt8,
@@ -187,7 +187,7 @@ def test_embedded_gguf_lm_head_is_its_own_q8_0_table():
     from stages.engine.runner.loader import load_state_dict
     from stages.model_info import EMBEDDED_MODEL, embedded_gguf_path
 
-    head = read_gguf_q8_0(embedded_gguf_path())
+    head = read_gguf_q8_0(gguf_tensors(embedded_gguf_path()))
     assert head is not None
     table = load_state_dict(EMBEDDED_MODEL)["model.embed_tokens.weight"]  # transformers' dequantisation
     assert torch.equal(head.dequantize(), table.float())
