@@ -88,9 +88,10 @@ class EngineSettings(_Section):
     #: products; torch's int4/int8 kernels where it cannot be built) | native | torch.
     quant_kernel: Literal["auto", "native", "torch"] = "auto"
     #: The instruction set the CPU kernels are built for: auto (everything this CPU has) | avx512 |
-    #: avx2 | generic (plain C, what runs where there is neither, ARM included). Anything but auto is
-    #: for comparing paths on one machine; a set this CPU lacks fails at start.
-    cpu_isa: Literal["auto", "avx512", "avx2", "generic"] = "auto"
+    #: avxvnni (AVX2 with AVX-VNNI) | avx2 | generic (plain C, what runs where there is none of them,
+    #: ARM included). Anything but auto is for comparing paths on one machine; a set this CPU lacks
+    #: fails at start.
+    cpu_isa: Literal["auto", "avx512", "avxvnni", "avx2", "generic"] = "auto"
     #: Steps whose prefill chunks all end within this many tokens of context run their prompt tokens
     #: through the paged kernel with the decodes (one call per layer, each token a row reading its
     #: whole context); longer ones gather + one tiled SDPA per chunk, which wins past ~128 tokens

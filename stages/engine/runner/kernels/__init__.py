@@ -57,11 +57,13 @@ def _cpu_key() -> str:
     return " ".join(sorted(cpu_flags()))
 
 
-#: ``engine.cpu_isa`` -> the feature flags it needs and the ``-march`` it builds with ("": the
-#: compiler's default target, which uses no AVX on x86 and runs on any CPU of the architecture).
+#: ``engine.cpu_isa`` -> the feature flags it needs and the ``-march`` it builds with, plus any
+#: further ``-m`` flags ("": the compiler's default target, which uses no AVX on x86 and runs on any
+#: CPU of the architecture).
 ISAS = {
     "auto": ((), "native"),
     "avx512": (("avx512f", "avx512bw", "avx512_vnni", "f16c", "fma"), "native"),
+    "avxvnni": (("avx2", "fma", "f16c", "avx_vnni"), "haswell -mavxvnni"),
     "avx2": (("avx2", "fma", "f16c"), "haswell"),
     "generic": ((), ""),
 }
@@ -85,7 +87,7 @@ def build(sources: Sequence[Path] = SOURCES, march: str = "native") -> Path:
     its path. ``march`` other than ``native`` builds for an older instruction set (``haswell``: the
     AVX2 paths on an AVX-512 machine; "": the compiler's baseline). Raises ``RuntimeError`` when
     there is no compiler or the build fails."""
-    flags = [*([f"-march={march}"] if march else []), *_FLAGS]
+    flags = [*(f"-march={march}".split() if march else []), *_FLAGS]
     cxx = _compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
@@ -148,7 +150,7 @@ class QuantMatmul:
     """``x @ W.T`` on GGUF Q4_1 / Q8_0 blocks with int8 activations (see ``quant_matmul.cpp``)."""
 
     #: The dot-product path the build uses, by :attr:`isa` value.
-    ISA_NAMES = {3: "avx512-vnni", 1: "avx2", 0: "scalar"}
+    ISA_NAMES = {3: "avx512-vnni", 2: "avx-vnni", 1: "avx2", 0: "scalar"}
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         i32, i64, ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p

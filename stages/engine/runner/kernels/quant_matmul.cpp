@@ -13,8 +13,8 @@
 //   Q4_1: 4 chunks; chunk c's low nibbles are group c (elements 4c..4c+3), high nibbles group c+4.
 //   Q8_0: 8 chunks; chunk g is group g, int8.
 // The scales are fp16 [tile][block][16]. A dot product step multiplies a chunk by one group of four
-// activations broadcast to all lanes: AVX512-VNNI's vpdpbusd where the CPU has it, AVX2's
-// maddubs/madd otherwise, plain C without AVX2. Built with -march=native for the machine at hand
+// activations broadcast to all lanes: AVX512-VNNI's vpdpbusd where the CPU has it, AVX-VNNI's on
+// 8 lanes, AVX2's maddubs/madd otherwise, plain C without AVX2. Built with -march=native for the machine at hand
 // (see __init__.py); accumulation is int32 within a block and float32 across blocks.
 //
 // With AVX-512, one kernel call covers 4 activation rows against 2 tiles, so each broadcast feeds
@@ -213,13 +213,18 @@ void tile(const Activations& a, int64_t row0, int64_t k, const uint8_t* wq, cons
   }
 }
 #elif defined(__AVX2__)
+#if defined(__AVXVNNI__)
+#define LIFECYCLE_QUANT_ISA 2
+#else
 #define LIFECYCLE_QUANT_ISA 1
+#endif
 // The same with two 8-lane halves per tile (maddubs: u8 x s8 -> int16 pair sums). Each broadcast of
 // four activations feeds both halves. Q4_1 sums a block's products in int16 and widens once per
 // block: a pair sum is at most 2 * 15 * 127 = 3810 and a block adds eight of them per lane (30480),
 // so nothing saturates or wraps, and a quarter of the instructions go. Q8_0 uses |w| and moves w's
 // sign onto x, so both operands stay within 127 and each pair sum fits; two would not, so it widens
-// per group.
+// per group. With AVX-VNNI (Alder Lake and later, Zen 5) one vpdpbusd on 8 lanes does a
+// maddubs + madd + add: the same integer sums in int32 throughout (bit-identical output).
 template <int RN, bool Q4>
 void tile(const Activations& a, int64_t row0, int64_t k, const uint8_t* wq, const uint16_t* wd, const uint16_t* wm,
           int64_t t, float* out, int64_t out_stride, int64_t n_valid) {
@@ -243,14 +248,21 @@ void tile(const Activations& a, int64_t row0, int64_t k, const uint8_t* wq, cons
         const __m256i lo1 = _mm256_and_si256(v1, nib), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), nib);
         for (int r = 0; r < RN; ++r) {
           const __m256i xl = _mm256_set1_epi32(group4(xb[r] + 4 * c)), xh = _mm256_set1_epi32(group4(xb[r] + 4 * c + 16));
+#if defined(__AVXVNNI__)
+          s[r][0] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][0], lo0, xl), hi0, xh);
+          s[r][1] = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s[r][1], lo1, xl), hi1, xh);
+#else
           s[r][0] = _mm256_add_epi16(s[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl), _mm256_maddubs_epi16(hi0, xh)));
           s[r][1] = _mm256_add_epi16(s[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl), _mm256_maddubs_epi16(hi1, xh)));
+#endif
         }
       }
+#if !defined(__AVXVNNI__)
       for (int r = 0; r < RN; ++r) {
         s[r][0] = _mm256_madd_epi16(s[r][0], ones);
         s[r][1] = _mm256_madd_epi16(s[r][1], ones);
       }
+#endif
     } else {
       for (int g = 0; g < 8; ++g) {
         const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + g * 64));
@@ -258,8 +270,13 @@ void tile(const Activations& a, int64_t row0, int64_t k, const uint8_t* wq, cons
         const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
         for (int r = 0; r < RN; ++r) {
           const __m256i x = _mm256_set1_epi32(group4(xb[r] + 4 * g));
+#if defined(__AVXVNNI__)
+          s[r][0] = _mm256_dpbusd_avx_epi32(s[r][0], a0, _mm256_sign_epi8(x, w0));
+          s[r][1] = _mm256_dpbusd_avx_epi32(s[r][1], a1, _mm256_sign_epi8(x, w1));
+#else
           s[r][0] = _mm256_add_epi32(s[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(x, w0)), ones));
           s[r][1] = _mm256_add_epi32(s[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, w1)), ones));
+#endif
         }
       }
     }

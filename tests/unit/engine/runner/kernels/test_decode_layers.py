@@ -38,6 +38,8 @@ def engine(kv_cache_dtype: str = "auto") -> LLMEngine:
 def isas() -> list:
     have = cpu_flags()
     return [pytest.param("auto", id="auto"),
+            pytest.param("avxvnni", id="avxvnni",
+                         marks=pytest.mark.skipif(not {"avx2", "avx_vnni"} <= have, reason="no AVX-VNNI")),
             pytest.param("avx2", id="avx2", marks=pytest.mark.skipif("avx2" not in have, reason="no AVX2")),
             pytest.param("generic", id="generic")]
 

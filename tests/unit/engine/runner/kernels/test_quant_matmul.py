@@ -46,30 +46,32 @@ def test_activation_rounding_is_absmax_int8_per_block():
     assert torch.equal(qx[1, :GROUP], torch.zeros(GROUP, dtype=torch.int8))
 
 
+#: The narrower instruction sets whose builds the random-block tests check beside the native one,
+#: where this CPU can run them (an AVX-512 machine then checks its AVX2 paths too).
+NARROWER = {"avxvnni": "avx-vnni", "avx2": "avx2"}
+
+
 @functools.cache
-def avx2_kernel() -> kernels.QuantMatmul | None:
-    """The same source built for AVX2 (``-march=haswell``), where this CPU can run it: its AVX2
-    paths are then checked here too, not only on AVX2-only machines."""
-    if "avx2" not in cpu_flags():
-        return None
+def narrower_kernel(isa: str) -> kernels.QuantMatmul | None:
+    """The same source built for ``isa`` (``engine.cpu_isa``), or None where this CPU lacks it."""
     try:
-        lib = ctypes.CDLL(str(kernels.build(march="haswell")))
-    except (OSError, RuntimeError):
+        lib = ctypes.CDLL(str(kernels.build(march=kernels.march_for(isa))))
+    except (OSError, RuntimeError, ValueError):
         return None
     return kernels.QuantMatmul(lib)
 
 
 def both_builds() -> list:
-    return [pytest.param("native", id="native"), pytest.param("avx2", id="avx2")]
+    return [pytest.param("native", id="native")] + [pytest.param(isa, id=isa) for isa in NARROWER]
 
 
 def build_of(which: str) -> kernels.QuantMatmul:
     if which == "native":
         return kernel
-    k = avx2_kernel()
+    k = narrower_kernel(which)
     if k is None:
-        pytest.skip("no AVX2 build here")
-    assert k.isa_name == "avx2"
+        pytest.skip(f"no {which} build here")
+    assert k.isa_name == NARROWER[which]
     return k
 
 
@@ -129,7 +131,7 @@ def test_a_prompt_steps_activations_quantise_on_the_matmuls_threads_with_the_sam
 
 @pytest.mark.parametrize("which", both_builds())
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_the_avx2_build_computes_what_the_native_one_does(which, rows):
+def test_each_narrower_build_computes_what_the_native_one_does(which, rows):
     """Both builds against the float32 arithmetic on their own rounded activations (the rounding
     itself is pinned above), Q4_1 and Q8_0, with padded tiles."""
     kern = build_of(which)
@@ -220,7 +222,8 @@ def test_isa_is_what_this_cpu_has():
     from stages.engine.runner.quant import cpu_flags
 
     flags = cpu_flags()
-    expected = "avx512-vnni" if {"avx512_vnni", "avx512bw"} <= flags else ("avx2" if "avx2" in flags else "scalar")
+    expected = ("avx512-vnni" if {"avx512_vnni", "avx512bw"} <= flags else
+                "avx-vnni" if {"avx2", "avx_vnni"} <= flags else "avx2" if "avx2" in flags else "scalar")
     assert kernel.isa_name == expected
 
 
@@ -235,6 +238,7 @@ def test_quant_linear_block_kernel_agrees_with_float_within_int8_noise():
 
 @pytest.mark.parametrize(("isa", "name", "needs"), [
     ("avx512", "avx512-vnni", {"avx512f", "avx512bw", "avx512_vnni"}),
+    ("avxvnni", "avx-vnni", {"avx2", "fma", "f16c", "avx_vnni"}),
     ("avx2", "avx2", {"avx2", "fma", "f16c"}),
     ("generic", "scalar", set()),
 ])
