@@ -219,7 +219,6 @@ def test_runner_falls_back_to_torch_kernels_without_a_compiler(monkeypatch, tmp_
 
 
 def test_isa_is_what_this_cpu_has():
-
     flags = cpu_flags()
     expected = ("avx512-vnni" if {"avx512_vnni", "avx512bw"} <= flags else
                 "avx-vnni" if {"avx2", "avx_vnni"} <= flags else "avx2" if "avx2" in flags else "scalar")
@@ -245,7 +244,6 @@ def test_engine_cpu_isa_forces_each_path_this_cpu_has(isa, name, needs):
     """``engine.cpu_isa`` builds the library for that set, and its matmul agrees with the native one:
     to the last bit on the vector paths (the same fused multiply-adds per block), to float rounding
     on the plain C one (a multiply and an add where they fuse)."""
-
     if not needs <= cpu_flags():
         pytest.skip(f"this CPU lacks {needs - cpu_flags()}")
     forced = kernels.quant_matmul(isa)
