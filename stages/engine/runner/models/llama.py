@@ -43,10 +43,12 @@ class LlamaArgs:
 
     @classmethod
     def from_hf_config(cls, config: Any) -> LlamaArgs:
+        """From a transformers config, or ``config.json`` read as attributes (then a key the file
+        leaves out takes the default transformers' Llama, Mistral and Qwen2 classes share)."""
         rope_params = getattr(config, "rope_parameters", None) or {}
         rope_scaling = getattr(config, "rope_scaling", None) or (
             rope_params if rope_params.get("rope_type", "default") != "default" else None)
-        theta = rope_params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        theta = rope_params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
         heads = config.num_attention_heads
         model_type = getattr(config, "model_type", "llama")
         return cls(
@@ -57,10 +59,10 @@ class LlamaArgs:
             num_heads=heads,
             num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            rms_norm_eps=config.rms_norm_eps,
+            rms_norm_eps=getattr(config, "rms_norm_eps", None) or 1e-6,
             rope_theta=float(theta),
             rope_scaling=rope_scaling,
-            max_position_embeddings=config.max_position_embeddings,
+            max_position_embeddings=getattr(config, "max_position_embeddings", None) or 2048,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             # Qwen2 has q/k/v biases without saying so in ``attention_bias``.
             attention_bias=bool(getattr(config, "attention_bias", False)) or model_type == "qwen2",
