@@ -160,6 +160,9 @@ def test_a_crash_is_one_dead_event_with_the_text_of_what_crashed() -> None:
     h.loop.send(_add("a", [1, 2], 10_000))
     h.wait_for(lambda: len(h.outputs("a")) > 1)
     h.loop.send(ArmFault("step_exception", 0))  # armed through the inbox, as a child's is
+    # "a" may already have run to the model's length (fake steps are fast): a request sent after
+    # the fault guarantees a step with work once it is armed.
+    h.loop.send(_add("b", [3, 4], 10_000))
     h.thread.join(10)
     dead = [e for e in h.events if e.kind is Kind.DEAD]
     assert len(dead) == 1 and dead[0] is h.events[-1] and isinstance(dead[0], Dead)
