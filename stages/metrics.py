@@ -238,6 +238,11 @@ class _EngineCollector:
                       s.get("consumer_gone_aborts", 0))
         yield counter("engine_sampling_failures", "Requests ended alone because their own sampling raised.",
                       s.get("sampling_failures", 0))
+        steps = CounterMetricFamily(PREFIX + "engine_steps_by_threads",
+                                    "Engine steps by the intra-op threads they ran on.", labels=[*names, "threads"])
+        for threads, count in sorted(s.get("steps_by_threads", {}).items()):
+            steps.add_metric([*m, threads], count)
+        yield steps
         fin = CounterMetricFamily(PREFIX + "engine_request_finished", "Requests leaving the engine by reason.",
                                   labels=[*names, "finished_reason"])
         for reason, count in s["finished_total"].items():

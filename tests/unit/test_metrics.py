@@ -212,8 +212,9 @@ def test_render_app_counters_sum_to_what_was_observed() -> None:
 
 
 def test_render_app_labels_every_engine_replica() -> None:
-    engines = [report("engine-0"), report("engine-1", num_running=0, num_waiting=7, kv_cache_usage=0.25,
-                                          generation_tokens_total=300, finished_total={"stop": 9, "length": 0})]
+    engines = [report("engine-0", steps_by_threads={"1": 40, "2": 9}),
+               report("engine-1", num_running=0, num_waiting=7, kv_cache_usage=0.25,
+                      generation_tokens_total=300, finished_total={"stop": 9, "length": 0})]
     s, types = parse(render_app(MODEL, {}, engines)[0])
     assert types[P + "num_requests_running"] == "gauge"
     assert types[P + "generation_tokens"] == "counter"
@@ -240,6 +241,9 @@ def test_render_app_labels_every_engine_replica() -> None:
         ("engine-0", "stop"): 5, ("engine-0", "length"): 2, ("engine-0", "abort"): 1,
         ("engine-1", "stop"): 9, ("engine-1", "length"): 0}
     assert sum(select(s, P + "generation_tokens_total").values()) == 1000
+    steps = P + "engine_steps_by_threads_total"
+    assert {(dict(lab)["replica"], dict(lab)["threads"]): x for lab, x in select(s, steps).items()} == {
+        ("engine-0", "1"): 40, ("engine-0", "2"): 9}
 
 
 def test_render_app_abort_latency_histogram() -> None:

@@ -55,6 +55,8 @@ class EngineStats:
     sampling_failures: int = 0
     #: ``[(le, cumulative count)]`` of per-step mask-fill seconds (empty without structured outputs).
     grammar_mask_buckets: list[tuple[str, int]] = field(default_factory=list)
+    #: Steps run at each intra-op thread count (str keys: it becomes a metric label).
+    steps_by_threads: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -285,6 +287,7 @@ class LLMEngine:
             finished_total=dict(self.finished_total),
             num_steps=self.num_steps,
             sampling_failures=self.sampling_failures,
+            steps_by_threads={str(k): v for k, v in getattr(self.runner, "steps_by_threads", {}).items()},
             **self._grammar_stats(),
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -80,6 +81,9 @@ class ModelRunner:
         self.step_threads = torch.get_num_threads()
         self.prefill_threads = (config.prefill_threads or self.step_threads) if self.device.type == "cpu" else self.step_threads
         #: Decode steps' threads, from what the other processes leave idle (CPU only).
+        #: Steps run at each intra-op thread count (``/metrics``: whether ``decode_threads`` and
+        #: ``prefill_threads`` are taken, and how often).
+        self.steps_by_threads: Counter[int] = Counter()
         self.spare = (SpareCores(self.step_threads, config.decode_threads)
                       if self.device.type == "cpu" and config.decode_threads > self.step_threads else None)
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
@@ -315,10 +319,12 @@ class ModelRunner:
 
         ``grammars`` (a :class:`~stages.engine.core.structured.GrammarBackend`) fills the structured-output
         masks of the sampling rows while the model runs (llguidance works without the GIL)."""
+        threads = self.step_threads
         if self.prefill_threads != self.step_threads or self.spare is not None:
             threads = self.threads_for(batch)
             if threads != torch.get_num_threads():  # cheap; the OpenMP pools keep their threads
                 torch.set_num_threads(threads)
+        self.steps_by_threads[threads] += 1
         graph_step = self.graphs is not None and self._graph_step(batch)
         if graph_step:
             ordered = batch

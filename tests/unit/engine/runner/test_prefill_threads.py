@@ -63,9 +63,12 @@ def _run(eng: LLMEngine, prefill_threads: int, min_tokens: int = 100
 
 def test_a_step_with_many_prompt_tokens_runs_on_prefill_threads_and_decodes_do_not(engine: LLMEngine):
     assert (engine.runner.step_threads, engine.runner.prefill_threads) == (1, 2)  # from the config
+    before = engine.stats().steps_by_threads
     tokens, logprobs, steps = _run(engine, prefill_threads=2)
     assert steps[0] == (3 * 41, 2)  # the three prompts in one step: 123 tokens >= 100
     assert steps[1:] and all(s == (3, 1) for s in steps[1:])  # then one decode token each, on 1 thread
+    after = engine.stats().steps_by_threads  # what /metrics shows as engine_steps_by_threads_total
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in ("1", "2")} == {"1": len(steps) - 1, "2": 1}
     ref_tokens, ref_logprobs, ref_steps = _run(engine, prefill_threads=1)
     assert {threads for _, threads in ref_steps} == {1}
     assert tokens == ref_tokens
