@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # decode_threads 0 vs 2 through the graph: 1 and 8 streams, and the steps-by-threads counter.
 set -m
-cd /work/main
+cd "$(git rev-parse --show-toplevel)"  # swaps serve_config.yaml for the run, restores it at the end
 cp serve_config.yaml /tmp/orig_config.yaml
 out=bench/results/issue33/round2/decode_threads
 mkdir -p $out
 for side in off on off on; do
-  if [ $side = on ]; then cp dt_config.yaml serve_config.yaml; else cp /tmp/orig_config.yaml serve_config.yaml; fi
+  if [ $side = on ]; then cp $out/serve_config_decode_threads.yaml serve_config.yaml; else cp /tmp/orig_config.yaml serve_config.yaml; fi
   make serve > /tmp/dt_serve.log 2>&1 &
   pg=$!
   until curl -sf -o /dev/null http://127.0.0.1:8000/health; do sleep 0.5; done
