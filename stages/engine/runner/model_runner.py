@@ -80,10 +80,10 @@ class ModelRunner:
         #: Intra-op threads of an ordinary step, and of one that prefills many tokens (CPU only).
         self.step_threads = torch.get_num_threads()
         self.prefill_threads = (config.prefill_threads or self.step_threads) if self.device.type == "cpu" else self.step_threads
-        #: Decode steps' threads, from what the other processes leave idle (CPU only).
         #: Steps run at each intra-op thread count (``/metrics``: whether ``decode_threads`` and
         #: ``prefill_threads`` are taken, and how often).
         self.steps_by_threads: Counter[int] = Counter()
+        #: Decode steps' threads, from what the other processes leave idle (CPU only).
         self.spare = (SpareCores(self.step_threads, config.decode_threads)
                       if self.device.type == "cpu" and config.decode_threads > self.step_threads else None)
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
