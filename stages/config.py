@@ -62,10 +62,6 @@ class EngineSettings(_Section):
     #: it (a burst's requests are in, their first tokens not yet out), so it may borrow their core.
     prefill_threads: int = Field(0, ge=0)
     prefill_threads_min_tokens: int = Field(128, ge=1)
-    #: Threads a decode step may use while the other processes leave that many cores idle, checked
-    #: four times a second (:mod:`stages.engine.runner.spare_cores`); otherwise ``num_threads``.
-    #: 0: always ``num_threads``.
-    decode_threads: int = Field(0, ge=0)
     #: Token budget of one step (the prefill chunk size).
     max_num_batched_tokens: int = Field(512, ge=1)
     #: Most running requests in one step (also the size of the largest decode graph).

@@ -25,7 +25,6 @@ from stages.engine.runner.flex_paged import FlexPagedAttention
 from stages.engine.runner.loader import quantized_weights, resolve_weights
 from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
 from stages.engine.runner.prefill_attention import chunk_mask, fastest_dtype
-from stages.engine.runner.spare_cores import SpareCores
 from stages.heap import trim_now
 from stages.transport.messages import TokenLogprob
 
@@ -80,12 +79,8 @@ class ModelRunner:
         #: Intra-op threads of an ordinary step, and of one that prefills many tokens (CPU only).
         self.step_threads = torch.get_num_threads()
         self.prefill_threads = (config.prefill_threads or self.step_threads) if self.device.type == "cpu" else self.step_threads
-        #: Steps run at each intra-op thread count (``/metrics``: whether ``decode_threads`` and
-        #: ``prefill_threads`` are taken, and how often).
+        #: Steps run at each intra-op thread count (``/metrics``: how often ``prefill_threads`` is taken).
         self.steps_by_threads: Counter[int] = Counter()
-        #: Decode steps' threads, from what the other processes leave idle (CPU only).
-        self.spare = (SpareCores(self.step_threads, config.decode_threads)
-                      if self.device.type == "cpu" and config.decode_threads > self.step_threads else None)
         arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
         if arch not in ARCHITECTURES:
             raise NotImplementedError(f"architecture {arch} is not supported (have {ARCHITECTURES})")
@@ -303,12 +298,13 @@ class ModelRunner:
 
     def threads_for(self, batch: list[ScheduledRequest]) -> int:
         """Intra-op threads for ``batch``: ``prefill_threads`` when its prompt chunks hold at least
-        ``prefill_threads_min_tokens`` tokens, else the ordinary step's, or up to ``decode_threads``
-        while the machine's other cores are idle."""
+        ``prefill_threads_min_tokens`` tokens, else the ordinary step's. A decode step keeps
+        ``num_threads``: given the second core of a 2-core machine it measured slower through the
+        app, since each token's hops through the other stages need that core within the step."""
         prompt = sum(s.num_new_tokens for s in batch if s.num_new_tokens > 1)
         if prompt >= self.config.prefill_threads_min_tokens:
             return self.prefill_threads
-        return self.spare.threads() if self.spare is not None else self.step_threads
+        return self.step_threads
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledRequest], grammars: Any = None
@@ -320,7 +316,7 @@ class ModelRunner:
         ``grammars`` (a :class:`~stages.engine.core.structured.GrammarBackend`) fills the structured-output
         masks of the sampling rows while the model runs (llguidance works without the GIL)."""
         threads = self.step_threads
-        if self.prefill_threads != self.step_threads or self.spare is not None:
+        if self.prefill_threads != self.step_threads:
             threads = self.threads_for(batch)
             if threads != torch.get_num_threads():  # cheap; the OpenMP pools keep their threads
                 torch.set_num_threads(threads)
