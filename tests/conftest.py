@@ -44,7 +44,8 @@ TEST_ARGS: dict[str, Any] = {
 }
 
 
-#: The replicas test configuration: every stage at 2 replicas, CPU shares small enough for 2 cores.
+#: The replicas test configuration: every stage at 2 replicas (the Directory too), CPU shares small
+#: enough for 2 cores.
 REPLICAS_ARGS: dict[str, Any] = {
     "model": "embedded:smollm2-135m-instruct",
     "engine": {"max_num_seqs": 8, "max_waiting_requests": 8, "max_num_batched_tokens": 256,
@@ -56,6 +57,7 @@ REPLICAS_OPTIONS: dict[str, dict[str, Any]] = {
     "Preprocess": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.1}},
     "Egress": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.1}},
     "Engine": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}},
+    "Directory": {"num_replicas": 2},
 }
 
 
@@ -127,6 +129,10 @@ class ServeApp:
         return asyncio.run_coroutine_threadsafe(_call(self.name, deployment, method, args),
                                                 _handle_loop()).result(timeout=30)
 
+    def directory_each(self, method: str, *args: Any) -> dict[str, Any]:
+        """Ask every Directory replica: its id → its answer (or the exception it raised)."""
+        return asyncio.run_coroutine_threadsafe(_directory_each(self.name, method, args), _handle_loop()).result(30)
+
     def engine_stats(self) -> dict[str, Any]:
         """One engine replica's own stats, straight from it (exact for a one-engine app)."""
         return self.call("Engine", "stats")
@@ -168,10 +174,21 @@ def _handle_loop() -> asyncio.AbstractEventLoop:
 async def _call(app: str, deployment: str, method: str, args: tuple[Any, ...]) -> Any:
     from ray import serve
 
+    from stages.directory.client import DirectoryClient
+
     key = (app, deployment)
     if key not in _HANDLES:
-        _HANDLES[key] = serve.get_deployment_handle(deployment, app_name=app)
+        handle = serve.get_deployment_handle(deployment, app_name=app)
+        # The Directory may run several replicas: its client sends a change to each, a question to one.
+        _HANDLES[key] = DirectoryClient(handle) if deployment == "Directory" else handle
+    if deployment == "Directory":
+        return await getattr(_HANDLES[key], method)(*args)
     return await getattr(_HANDLES[key], method).remote(*args)
+
+
+async def _directory_each(app: str, method: str, args: tuple[Any, ...]) -> dict[str, Any]:
+    await _call(app, "Directory", "ping", ())
+    return await _HANDLES[(app, "Directory")].each(method, *args)
 
 
 @pytest.fixture(scope="session")

@@ -4,16 +4,17 @@ replica last reported.
 Why it exists: with N Ingress replicas, a ``POST /v1/requests/{id}/cancel`` can land on any of
 them, but only the replica holding the client's connection can end that stream properly; and
 ``/health`` and ``/metrics`` must speak for every engine replica, while a Serve handle reaches
-only the one its router picks. Both need one place that knows the whole app.
+only the one its router picks. Both need one place that knows the whole app. That place may be
+several replicas, each holding all of it (:mod:`stages.directory.client`).
 
 Design (built on Ray Serve itself: one small deployment, called through handles):
 - **Owners sync, batched.** Each Ingress replica sends the requests it started and finished since
-  its last call in one ``sync`` call; a single flusher per replica keeps the calls in order and
-  batches whatever accumulated while the previous call was in flight (cost: at most one call per
-  request start and one per finish, usually far fewer under load).
-- **Cancels travel on a long poll.** Each owner keeps one ``watch`` call open; a cancel for one of
-  its requests completes that call, and the owner ends the stream the normal way (an abort by id
-  routed to the engine replica that runs it). So the cancel reaches the owner within one RPC.
+  its last call in one ``sync`` call to each Directory replica; a single flusher per owner keeps
+  the calls in order and batches whatever accumulated while the previous call was in flight (cost:
+  at most one call per request start and one per finish, usually far fewer under load).
+- **Cancels travel on a long poll.** Each owner keeps one ``watch`` call open on each Directory
+  replica; a cancel for one of its requests completes that call, and the owner ends the stream
+  the normal way (an abort by id routed to the engine replica that runs it). So the cancel reaches the owner within one RPC.
 - **Aborts for draining replicas.** An abort or cancel by id is routed to the replica it names
   only while that replica is among the router's candidates; a replica being scaled down is not,
   though it still runs its requests until they end. The replica that gets such an abort instead
@@ -26,8 +27,8 @@ Design (built on Ray Serve itself: one small deployment, called through handles)
   finds the replica holding its events (``resume_lookup``). A kept entry also expires here on its
   own, a little after its grace period, in case its replica died.
 - **Self-healing.** An owner that has not watched for ``owner_ttl_s`` is dead; its entries go. A
-  directory that restarted (and lost its state) answers the next ``watch`` with ``resync``, and the
-  owner sends its whole list again. Engine reports older than ``report_ttl_s`` count as gone.
+  directory replica that is new (a restart, or one more) answers the next ``watch`` with ``resync``,
+  and the owner sends it its whole list again. Engine reports older than ``report_ttl_s`` count as gone.
 
 :class:`LiveDirectory` is the pure bookkeeping (unit-tested without Ray); the Serve adapter is
 :class:`stages.directory.deployment.DirectoryDeployment`.
@@ -100,7 +101,8 @@ class _Index:
 class _Owner:
     last_seen: float
     mailbox: list[str] = field(default_factory=list)
-    wake: asyncio.Event | None = None
+    #: Set when a cancel arrives; every poll of this owner waiting here wakes.
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class LiveDirectory:
@@ -224,8 +226,7 @@ class LiveDirectory:
             box = self._owners.get(entry.owner)
             if box is not None:
                 box.mailbox.append(entry.request_id)
-                if box.wake is not None:
-                    box.wake.set()
+                box.wake.set()
         return found + self._kept.find(key, api_key_id)
 
     # -- aborts that missed their replica ---------------------------------------------------------

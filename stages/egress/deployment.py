@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from stages.config import MAX_RESUME_GRACE_S, TracingSettings
+from stages.directory.client import MEMBERS_PERIOD_S, directory_client
 from stages.egress.egress import Egress, EngineStream
 from stages.egress.resume import ResumeStore, event_id
 from stages.errors import EngineUnavailableError, EventsDroppedError
@@ -72,6 +73,7 @@ class EgressDeployment:
 
         configure_tracing(tracing, component="egress")
         self.engine = engine  # DeploymentHandle of the engine, created once and reused
+        directory = directory_client(directory)
         self.egress = Egress(load_cpu_tokenizer(model), self._open, self._abort, max_migrations=max_migrations,
                              healthy_engines=self._healthy_engines if directory is not None else None)
         self.replica = own_replica_id()
@@ -92,6 +94,7 @@ class EgressDeployment:
 
             self._background.append(asyncio.create_task(
                 report_metrics_forever(directory, self.replica, lambda: egress_exposition(self.kept, self.egress))))
+            self._background.append(asyncio.create_task(self._keep_again_forever()))
 
     def _open(self, req: EngineRequest) -> EngineStream:
         call = self.to_engine.open_outputs(req)
@@ -106,7 +109,7 @@ class EgressDeployment:
 
     async def _healthy_engines(self) -> list[str]:
         """The engine replicas reporting healthy to the directory (a move needs another one)."""
-        return [r.replica for r in await self.directory.engines.remote() if r.healthy]
+        return [r.replica for r in await self.directory.engines() if r.healthy]
 
     # -- the producer side (Ingress calls these) ----------------------------------------------------------
     async def submit(self, batch: AdmissionBatch) -> list[Admission]:
@@ -190,11 +193,23 @@ class EgressDeployment:
 
     def _keep_entry(self, entry: LiveEntry, seconds: float) -> None:
         if self.directory is not None:
-            fire_and_forget(lambda: self.directory.keep.remote(entry, seconds), "directory keep")
+            fire_and_forget(lambda: self.directory.keep(entry, seconds), "directory keep")
+
+    async def _keep_again_forever(self, period_s: float = MEMBERS_PERIOD_S) -> None:
+        """A Directory replica that appears (one more, or a replacement) starts empty: tell the
+        Directory again of every stream kept here, so a reconnect that it answers finds them."""
+        seen: set[str] = set()
+        while True:
+            await asyncio.sleep(period_s)
+            members = set(self.directory.members())
+            if seen and members - seen:
+                for entry, seconds in self.kept.detached_entries():
+                    self._keep_entry(entry, seconds)
+            seen = members
 
     def _unkeep_entry(self, request_id: str) -> None:
         if self.directory is not None:
-            fire_and_forget(lambda: self.directory.unkeep.remote(request_id), "directory unkeep")
+            fire_and_forget(lambda: self.directory.unkeep(request_id), "directory unkeep")
 
     async def __del__(self) -> None:
         """Drain: wait until the kept streams' grace periods have ended (Serve stops waiting at

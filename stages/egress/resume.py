@@ -119,6 +119,13 @@ class ResumeStore:
         """Streams kept with nobody attached."""
         return sum(1 for k in self._kept.values() if not k.attached)
 
+    def detached_entries(self) -> list[tuple[LiveEntry, float]]:
+        """Each detached stream's directory entry and the seconds left of its grace period (a
+        new Directory replica learns of them again)."""
+        now = asyncio.get_running_loop().time()
+        return [(k.entry, max(0.0, k.timer.when() - now)) for k in self._kept.values()
+                if not k.attached and k.timer is not None]
+
     # -- a stream's life ------------------------------------------------------------------------------
     def open(self, request_id: str, terms: ResumeTerms, response_id: str, shape: dict[str, Any]) -> None:
         """Start recording a resumable stream (attached: its first client holds it)."""

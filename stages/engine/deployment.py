@@ -30,6 +30,7 @@ from ray import serve
 
 from stages.autoscaling import most_replicas
 from stages.config import EngineSettings, TracingSettings
+from stages.directory.client import directory_client
 from stages.engine.core.errors import EngineDeadError
 from stages.engine.driver.async_engine import AsyncEngine
 from stages.engine.driver.interface import build_driver
@@ -67,6 +68,7 @@ class EngineDeployment:
         configure_logging()
         configure_tracing(tracing, component="engine")
         self.settings = engine if engine is not None else EngineSettings()
+        directory = directory_client(directory)
         replicas = most_replicas(serve.get_replica_context()._deployment_config)
         nice = step_thread_nice(self.settings.step_thread_nice, replicas)
         if nice != self.settings.step_thread_nice:
@@ -175,7 +177,7 @@ class EngineDeployment:
         interval = self.settings.report_interval_s
         while True:
             try:
-                self._abort_forwarded(await self.directory.report.remote(self._report()) or [])
+                self._abort_forwarded(await self.directory.report(self._report()) or [])
             except Exception as exc:  # noqa: BLE001 - the directory restarts; keep reporting
                 logger.warning("engine report to the directory failed: %r", exc)
             await asyncio.sleep(interval)

@@ -41,6 +41,7 @@ from stages.api.requests import (
     to_sampling_params,
 )
 from stages.config import AppConfig
+from stages.directory.client import directory_client
 from stages.errors import (
     EngineUnavailableError,
     InvalidRequestError,
@@ -122,6 +123,7 @@ class Ingress:
         """``app_config``: the whole validated config (the Ingress answers for the app: model names,
         limits, keys, inline preparation)."""
         start_trimmer()
+        directory = directory_client(directory)
         self.cfg = app_config
         configure_logging()
         if self.cfg.http.request_log_file:
@@ -441,7 +443,7 @@ class Ingress:
     async def _max_model_len(self) -> int | None:
         try:
             if self.directory is not None:
-                return await asyncio.wait_for(self.directory.max_model_len.remote(), PROBE_TIMEOUT_S)
+                return await asyncio.wait_for(self.directory.max_model_len(), PROBE_TIMEOUT_S)
             info = await asyncio.wait_for(self.engine.info.remote(), PROBE_TIMEOUT_S)
             return int(info["max_model_len"])
         except Exception:  # noqa: BLE001 - model listing must not fail because a stage is busy

@@ -30,6 +30,7 @@ from typing import Any
 
 from stages.api.kinds import ApiKind
 from stages.api.render import renderer
+from stages.directory.client import MEMBERS_PERIOD_S
 from stages.transport.messages import AbortRequest, EngineMoved, LiveEntry, StreamStart
 
 logger = logging.getLogger("lifecycle.ingress")
@@ -179,7 +180,9 @@ class Lifecycle:
         # Directory changes not yet sent; an entry opened and closed within one batch is never sent.
         self._added: dict[str, LiveEntry] = {}
         self._removed: list[str] = []
-        self._resync = True
+        #: Directory replicas that hold this replica's list, and those that must get all of it again.
+        self._synced: set[str] = set()
+        self._resync: set[str] = set()
         self._flushing = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -266,7 +269,7 @@ class Lifecycle:
         found = {live.request_id: live.entry(self.owner) for live in local}
         exact = len(local) == 1 and key in (local[0].request_id, local[0].response_id)
         if self.directory is not None and not exact:
-            for entry in await self.directory.cancel.remote(key, api_key_id):
+            for entry in await self.directory.cancel(key, api_key_id):
                 if entry.kept and self.end_kept is not None and entry.request_id not in found:
                     self.end_kept(entry.owner, [entry.request_id])
                 found.setdefault(entry.request_id, entry)
@@ -284,31 +287,48 @@ class Lifecycle:
         self._flushing = True
         self._spawn(self._flush())
 
+    def _unsynced(self) -> set[str]:
+        """Directory replicas that must get this replica's whole list: new ones, and those that
+        asked for it or missed a batch."""
+        return (set(self.directory.members()) - self._synced) | self._resync
+
     async def _flush(self) -> None:
-        """One sync call at a time, in order, each carrying everything that accumulated."""
+        """One round of sync calls at a time, in order, each carrying everything that
+        accumulated: the changes to every Directory replica that has the rest, the whole list to
+        any that does not."""
         try:
-            while self._added or self._removed or self._resync:
+            while self._added or self._removed or self._unsynced():
                 await self._pause()
-                if not (self._added or self._removed or self._resync):
-                    break  # opened and closed meanwhile: nothing to tell
-                full, self._resync = self._resync, False
-                if full:
-                    added = [live.entry(self.owner) for live in self.live.values()]
-                    removed: list[str] = []
-                else:
-                    added, removed = list(self._added.values()), self._removed
-                self._added, self._removed = {}, []
                 try:
-                    await self.directory.sync.remote(self.owner, added, removed, full)
-                except asyncio.CancelledError:
-                    if _being_cancelled():
-                        raise  # this replica is shutting down
-                    # The call was cancelled under us, not this task: the batch may be lost.
-                    logger.warning("directory sync was cancelled; will resync")
-                    self._resync = True
-                except Exception as exc:  # noqa: BLE001 - the directory restarts; resend everything
-                    logger.warning("directory sync failed (%r); will resync", exc)
-                    self._resync = True
+                    members = await self.directory.ready_members()
+                except Exception as exc:  # noqa: BLE001 - no Directory replica yet; keep the batch
+                    logger.warning("directory unreachable (%r); will sync later", exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                unsynced = self._unsynced()
+                if not (self._added or self._removed or unsynced):
+                    break  # opened and closed meanwhile: nothing to tell
+                added, removed = list(self._added.values()), self._removed
+                self._added, self._removed = {}, []
+                self._resync -= unsynced
+                whole = [live.entry(self.owner) for live in self.live.values()] if unsynced else []
+                calls = [self.directory.sync(m, self.owner, whole, [], True) if m in unsynced
+                         else self.directory.sync(m, self.owner, added, removed, False) for m in members]
+                answers = await asyncio.gather(*calls, return_exceptions=True)
+                failed = False
+                for member, answer in zip(members, answers, strict=True):
+                    if isinstance(answer, asyncio.CancelledError) and _being_cancelled():
+                        raise answer  # this replica is shutting down
+                    if isinstance(answer, BaseException):
+                        # Cancelled under us, or the replica failed: the batch may be lost there.
+                        logger.warning("directory sync to %s failed (%r); will resync it", member, answer)
+                        self._resync.add(member)
+                        self._synced.discard(member)
+                        failed = failed or not isinstance(answer, asyncio.CancelledError)
+                    else:
+                        self._synced.add(member)
+                self._synced &= set(members)
+                if failed:  # the replica restarts: give it a moment
                     await asyncio.sleep(1.0)
         finally:
             self._flushing = False
@@ -324,19 +344,42 @@ class Lifecycle:
         except TimeoutError:
             pass
 
-    async def watch_forever(self) -> None:
-        """Long-poll the directory for cancels of requests this replica owns."""
+    async def watch_forever(self, members_period_s: float = MEMBERS_PERIOD_S) -> None:
+        """Long-poll every Directory replica for cancels of requests this replica owns (a cancel
+        may reach any of them), following the replicas as they come and go."""
+        watches: dict[str, asyncio.Task[None]] = {}
+        try:
+            while True:
+                try:
+                    members = set(await self.directory.ready_members())
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - no Directory replica yet
+                    logger.warning("directory unreachable: %r", exc)
+                    members = set()
+                for member in members - watches.keys():
+                    watches[member] = asyncio.get_running_loop().create_task(self._watch(member))
+                for member in watches.keys() - members:
+                    watches.pop(member).cancel()
+                if self._unsynced():
+                    self._schedule_flush()
+                await asyncio.sleep(members_period_s)
+        finally:
+            for task in watches.values():
+                task.cancel()
+
+    async def _watch(self, member: str) -> None:
         while True:
             try:
-                reply = await self.directory.watch.remote(self.owner)
+                reply = await self.directory.watch(member, self.owner)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep watching through directory restarts
-                logger.warning("directory watch failed: %r", exc)
+                logger.warning("directory watch on %s failed: %r", member, exc)
                 await asyncio.sleep(1.0)
                 continue
             if reply.resync:
-                self._resync = True
+                self._resync.add(member)
                 self._schedule_flush()
                 await asyncio.sleep(0.05)
             for rid in reply.cancel_ids:

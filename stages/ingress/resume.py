@@ -71,7 +71,7 @@ async def find_kept(directory: Any, key: str, api_key_id: str | None) -> LiveEnt
         raise NotFoundError(f"No resumable stream has the id {key!r}.", param="request_id", code="request_not_found")
     deadline = time.monotonic() + SETTLE_S
     while True:
-        found = await directory.resume_lookup.remote(key, api_key_id)
+        found = await directory.resume_lookup(key, api_key_id)
         named = len(found.kept) + found.attached
         if named > 1:
             raise ConflictError(f"{named} live requests carry the id {key!r}; resume by the response id.",

@@ -35,7 +35,7 @@ async def health_problems(preprocess: Any, egress: Any, engine: Any, directory: 
 
     calls = [probe("Preprocess", preprocess.ping.remote()), probe("Egress", egress.ping.remote())]
     if directory is not None:
-        calls.append(probe("Directory", directory.engines.remote()))
+        calls.append(probe("Directory", directory.engines()))
     else:
         calls.append(probe("Engine", engine.info.remote()))
     problems = []
@@ -62,7 +62,7 @@ async def report_metrics_forever(directory: Any, replica: str, exposition: Any) 
         await asyncio.sleep(METRICS_REPORT_S)
         try:
             text = await asyncio.to_thread(exposition)
-            await directory.report_ingress.remote(replica, text)
+            await directory.report_ingress(replica, text)
         except Exception as exc:  # noqa: BLE001 - the directory restarts; keep reporting
             logger.warning("metrics report to the directory failed: %r", exc)
 
@@ -83,8 +83,8 @@ async def app_metrics(directory: Any, replica: str, own_text: str) -> tuple[dict
     if directory is None:
         return {replica: own_text}, []
     try:
-        await asyncio.wait_for(directory.report_ingress.remote(replica, own_text), PROBE_TIMEOUT_S)
-        return await asyncio.wait_for(directory.metrics_snapshot.remote(), PROBE_TIMEOUT_S)
+        await asyncio.wait_for(directory.report_ingress(replica, own_text), PROBE_TIMEOUT_S)
+        return await asyncio.wait_for(directory.metrics_snapshot(), PROBE_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - still serve this replica's own metrics
         logger.warning("directory unavailable for /metrics: %r", exc)
         return {replica: own_text}, []
@@ -111,7 +111,7 @@ class EngineLiveness:
 
     async def _fetch(self) -> None:
         try:
-            reports = await asyncio.wait_for(self.directory.engines.remote(), PROBE_TIMEOUT_S)
+            reports = await asyncio.wait_for(self.directory.engines(), PROBE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - no answer is no evidence: keep the last view
             logger.warning("engine liveness: directory unavailable: %r", exc)
             return

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from ray import serve
 
 from stages.config import StructuredOutputSettings, TracingSettings
+from stages.directory.client import directory_client
 from stages.heap import start_trimmer
 from stages.preprocess.grammar import GrammarCompiler
 from stages.preprocess.preprocessor import (
@@ -74,6 +75,7 @@ class PreprocessDeployment:
         from stages.telemetry import configure_tracing
 
         configure_tracing(tracing, component="preprocess")
+        directory = directory_client(directory)
         start_trimmer()
         self.pre = Preprocessor(model, max_model_len or None)
         self.grammars = GrammarCompiler(self.pre.tokenizer, self.pre.model_vocab_size, self.pre.eos_token_ids,

@@ -152,7 +152,7 @@ class ContextLimit:
         try:
             # Bounded: a request waits on this (once per refresh), and a restarting directory
             # must not hold it up.
-            engines_len = await asyncio.wait_for(self.directory.max_model_len.remote(), LIMIT_TIMEOUT_S)
+            engines_len = await asyncio.wait_for(self.directory.max_model_len(), LIMIT_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - keep the last known limit while the directory restarts
             return
         if engines_len:

@@ -226,7 +226,7 @@ class Producer:
         """End ``request.request_ids`` here, or forward them to the directory when they name
         another replica (that one is draining). Unknown or finished ids are ignored."""
         if request.replica and request.replica != self.replica and self.directory is not None:
-            await self.directory.forward_abort.remote(request)
+            await self.directory.forward_abort(request)
             return
         self.end(request.request_ids)
 
@@ -272,7 +272,7 @@ class Producer:
         while True:
             await asyncio.sleep(period_s)
             try:
-                ids = await self.directory.take_aborts.remote(self.replica)
+                ids = await self.directory.take_aborts(self.replica)
             except Exception as exc:  # noqa: BLE001 - the directory restarts; ask again next time
                 logger.debug("taking forwarded aborts failed: %r", exc)
                 continue

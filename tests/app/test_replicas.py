@@ -310,21 +310,89 @@ def test_everything_is_free_afterwards(app: Any) -> None:
     assert len(reports) == 2
 
 
-def test_a_second_directory_replica_is_refused_at_deploy_time_with_a_clear_error(serve_session: str) -> None:
-    """The Directory's state lives in one place: asked for two replicas, the deployment fails with
-    a message naming the setting (not a cancel by id that later answers 404 or a false 200)."""
-    from ray import serve
-    from ray.serve.schema import ApplicationStatus
+# -- the Directory at 2 replicas ----------------------------------------------------------------------
+def _stream_then_cancel(url: str, cancel_url: str, key: str, label: str) -> tuple[int, list[str], int]:
+    """Stream a long greedy completion labelled ``label``; three events in, cancel it through
+    ``cancel_url`` by ``key`` ("label" or "id"). Returns the cancel's status, the finish reasons
+    and the completion tokens the stream reported."""
+    payload = {"model": MODEL_NAME, "messages": PROMPT, "temperature": 0, "max_tokens": 400, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}}
+    events: list[dict[str, Any]] = []
+    status = 0
+    with httpx.stream("POST", url + CHAT, json=payload, headers={"X-Request-Id": label}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events.append(json.loads(line[6:]))
+            if len(events) == 3:
+                name = label if key == "label" else events[0]["id"]
+                status = httpx.post(f"{cancel_url}/v1/requests/{name}/cancel", timeout=30).status_code
+    finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+    return status, finishes, events[-1]["usage"]["completion_tokens"]
 
-    from stages.directory.deployment import DirectoryDeployment
 
-    try:
-        with pytest.raises(RuntimeError, match="two-directories failed"):
-            serve.run(DirectoryDeployment.options(num_replicas=2).bind(), name="two-directories",
-                      route_prefix=None)
-        app = serve.status().applications["two-directories"]
-        assert app.status == ApplicationStatus.DEPLOY_FAILED, app.status
-        message = app.deployments["Directory"].message
-        assert "must run exactly one replica" in message and "num_replicas: 2" in message, message
-    finally:
-        serve.delete("two-directories")
+def test_a_cancel_by_id_through_either_ingress_cancels_with_two_directory_replicas(
+        app: Any, ingress_ports: dict[str, int]) -> None:
+    """With every deployment at 2 replicas, the Directory included: ten streams, each cancelled
+    three events in, by its ``X-Request-Id`` or its response id, through either Ingress replica.
+    A 200 must mean the stream was cancelled."""
+    prefix = app.url.rsplit("/", 1)[-1]
+    urls = [f"http://127.0.0.1:{port}/{prefix}" for port in sorted(ingress_ports.values())]
+    results = []
+    for i in range(10):
+        label = f"dir2-{i}-{time.time_ns()}"
+        results.append(_stream_then_cancel(urls[i % 2], urls[(i // 2) % 2], ("label", "id")[i % 2], label))
+    assert [(status, finishes) for status, finishes, _ in results] == [(200, ["abort"])] * 10, results
+    assert all(tokens < 400 for _, _, tokens in results), results
+    _wait_idle(app)
+
+
+def _directory_replicas(app: Any) -> dict[str, str]:
+    """The Directory replicas' ids → actor names."""
+    import ray
+
+    prefix = f"SERVE_REPLICA::{app.name}#Directory#"
+    return {a["name"][len(prefix):]: a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
+
+
+def test_a_lost_directory_replica_is_replaced_and_the_live_requests_register_again(app: Any) -> None:
+    """SIGKILL one Directory replica while a stream runs: a cancel still works through the other,
+    and the replacement learns every live request from their owners (no request restarts)."""
+    import ray
+    from ray.serve._private.constants import SERVE_NAMESPACE
+
+    _wait_idle(app)
+    before = _directory_replicas(app)
+    assert len(before) == 2, before
+    label = f"dir-kill-{time.time_ns()}"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(_chat, app.url, headers={"X-Request-Id": label}, timeout=180, max_tokens=400,
+                          ignore_eos=True)
+        deadline = time.monotonic() + 60
+        while not any(e.client_request_id == label for e in app.call("Directory", "live_entries")):
+            assert time.monotonic() < deadline, "the request never went live"
+            time.sleep(0.1)
+        lost = sorted(before)[0]
+        ray.kill(ray.get_actor(before[lost], namespace=SERVE_NAMESPACE), no_restart=True)
+        # Until Serve replaces it, the other replica answers (a read that reached the dead one
+        # is asked again elsewhere).
+        other = _stream_then_cancel(app.url, app.url, "label", f"dir-gap-{time.time_ns()}")
+        assert other[:2] == (200, ["abort"]), other
+        deadline = time.monotonic() + 90
+        while True:
+            now = _directory_replicas(app)
+            if len(now) == 2 and lost not in now:
+                lists = app.directory_each("live_entries")
+                if set(lists) == set(now) and all(
+                        not isinstance(v, BaseException) and any(e.client_request_id == label for e in v)
+                        for v in lists.values()):
+                    break
+            assert time.monotonic() < deadline, f"the replacement never learnt the live request: {now}"
+            time.sleep(0.25)
+        answer = httpx.post(f"{app.url}/v1/requests/{label}/cancel", timeout=30)
+        assert answer.status_code == 200 and len(answer.json()["cancelled"]) == 1, answer.text
+        r = fut.result(timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort"
+    _wait_idle(app)

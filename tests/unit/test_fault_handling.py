@@ -135,17 +135,10 @@ class FakeDirectory:
         self.reports: list[EngineReport] = []
         self.fail = False
 
-    @property
-    def engines(self) -> Any:
-        directory = self
-
-        class Method:
-            async def remote(self) -> list[EngineReport]:
-                if directory.fail:
-                    raise ConnectionError("directory restarting")
-                return list(directory.reports)
-
-        return Method()
+    async def engines(self) -> list[EngineReport]:
+        if self.fail:
+            raise ConnectionError("directory restarting")
+        return list(self.reports)
 
 
 def test_engine_liveness_needs_a_grace_period_and_ignores_an_unreachable_directory() -> None:

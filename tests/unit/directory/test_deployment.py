@@ -1,23 +1,34 @@
-"""The Directory refuses to run beside another replica: its live requests must be in one place."""
+"""The Directory deployment's long poll (stages/directory/deployment.py), outside Serve."""
 
 from __future__ import annotations
 
-import pytest
-from ray.serve._private.config import DeploymentConfig
+import asyncio
 
-from stages.directory.deployment import DirectoryReplicasError, refuse_more_than_one
-
-
-def test_one_replica_is_accepted() -> None:
-    refuse_more_than_one(DeploymentConfig(num_replicas=1))
-    refuse_more_than_one(DeploymentConfig(autoscaling_config={"min_replicas": 1, "max_replicas": 1}))
+from stages.directory.deployment import DirectoryDeployment
+from stages.transport.messages import LiveEntry, WatchReply
 
 
-@pytest.mark.parametrize("config,setting", [
-    (DeploymentConfig(num_replicas=2), "num_replicas: 2"),
-    (DeploymentConfig(autoscaling_config={"min_replicas": 1, "max_replicas": 3}), "autoscaling_config.max_replicas: 3"),
-])
-def test_more_than_one_is_refused_naming_the_setting(config: DeploymentConfig, setting: str) -> None:
-    with pytest.raises(DirectoryReplicasError, match="must run exactly one replica") as err:
-        refuse_more_than_one(config)
-    assert setting in str(err.value)
+def test_two_polls_of_one_owner_both_wake_on_a_cancel_and_one_takes_it() -> None:
+    """A poll meant for a replica that left lands on another one, beside that owner's own poll
+    there: a cancel must still wake them at once, not after the poll timeout."""
+
+    async def main() -> tuple[list[WatchReply], float]:
+        d = DirectoryDeployment.func_or_class(watch_timeout_s=5.0)
+        await d.sync("ingress-a", [LiveEntry("r1", "chatcmpl-r1", "ingress-a")], [], True)
+        polls = [asyncio.create_task(d.watch("ingress-a")) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        t0 = asyncio.get_running_loop().time()
+        await d.cancel("r1")
+        replies = await asyncio.gather(*polls)
+        return replies, asyncio.get_running_loop().time() - t0
+
+    replies, waited = asyncio.run(main())
+    assert waited < 1.0
+    assert sorted(r.cancel_ids for r in replies) == [[], ["r1"]]
+
+
+def test_an_owner_a_replica_does_not_know_is_asked_for_its_whole_list() -> None:
+    async def main() -> WatchReply:
+        return await DirectoryDeployment.func_or_class().watch("ingress-new", member="d1")
+
+    assert asyncio.run(main()).resync is True

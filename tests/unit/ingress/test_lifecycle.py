@@ -190,30 +190,30 @@ def test_relay_times_out_at_the_deadline():
 
 # -- lifecycle -------------------------------------------------------------------------------------------------
 class FakeDirectory:
-    """Records sync calls; cancel finds entries by key in what was synced."""
+    """A directory client with one replica: records sync calls; cancel finds entries by key in
+    what was synced."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[list[str], list[str], bool]] = []
         self.entries: dict[str, Any] = {}
-        outer = self
 
-        class Method:
-            def __init__(self, fn: Any) -> None:
-                self.remote = fn
+    def members(self) -> list[str]:
+        return ["d0"]
 
-        async def sync(owner: str, added: list[Any], removed: list[str], full: bool) -> None:
-            outer.calls.append(([e.request_id for e in added], list(removed), full))
-            if full:  # replaces everything this owner had
-                outer.entries = {k: e for k, e in outer.entries.items() if e.owner != owner}
-            for e in added:
-                outer.entries[e.request_id] = e
-            for rid in removed:
-                outer.entries.pop(rid, None)
+    async def ready_members(self) -> list[str]:
+        return self.members()
 
-        async def cancel(key: str, api_key_id: Any = None) -> list[Any]:
-            return [e for e in outer.entries.values() if key in (e.response_id, e.client_request_id)]
+    async def sync(self, member: str, owner: str, added: list[Any], removed: list[str], full: bool) -> None:
+        self.calls.append(([e.request_id for e in added], list(removed), full))
+        if full:  # replaces everything this owner had
+            self.entries = {k: e for k, e in self.entries.items() if e.owner != owner}
+        for e in added:
+            self.entries[e.request_id] = e
+        for rid in removed:
+            self.entries.pop(rid, None)
 
-        self.sync, self.cancel = Method(sync), Method(cancel)
+    async def cancel(self, key: str, api_key_id: Any = None) -> list[Any]:
+        return [e for e in self.entries.values() if key in (e.response_id, e.client_request_id)]
 
 
 def test_close_is_exactly_once_and_directory_sync_is_batched_and_ordered():
@@ -250,18 +250,15 @@ class ServeLikeDirectory(FakeDirectory):
     def __init__(self) -> None:
         super().__init__()
         self.children: dict[str, list[asyncio.Future[None]]] = {}
-        plain_sync = self.sync.remote
 
-        async def sync(*args: Any) -> None:
-            parent = self.request.get()
-            gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            if parent is not None:
-                self.children.setdefault(parent, []).append(gate)
-            asyncio.get_running_loop().call_later(0.02, lambda: gate.done() or gate.set_result(None))
-            await gate  # the RPC in flight
-            await plain_sync(*args)
-
-        self.sync.remote = sync
+    async def sync(self, *args: Any) -> None:
+        parent = self.request.get()
+        gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if parent is not None:
+            self.children.setdefault(parent, []).append(gate)
+        asyncio.get_running_loop().call_later(0.02, lambda: gate.done() or gate.set_result(None))
+        await gate  # the RPC in flight
+        await super().sync(*args)
 
     def cancel_request(self, parent: str) -> int:
         gates = [g for g in self.children.pop(parent, []) if not g.done()]
@@ -298,7 +295,7 @@ def test_a_request_cancelled_by_serve_still_leaves_the_directory():
 def test_a_sync_cancelled_under_the_flusher_is_resent_as_a_full_sync():
     async def main() -> FakeDirectory:
         directory = FakeDirectory()
-        plain_sync, calls = directory.sync.remote, [0]
+        plain_sync, calls = directory.sync, [0]
 
         async def flaky(*args: Any) -> None:
             calls[0] += 1
@@ -306,7 +303,7 @@ def test_a_sync_cancelled_under_the_flusher_is_resent_as_a_full_sync():
                 raise asyncio.CancelledError  # the callee was cancelled, not the flusher
             await plain_sync(*args)
 
-        directory.sync.remote = flaky
+        directory.sync = flaky  # type: ignore[method-assign]
         lc = Lifecycle("a", directory=directory, sync_delay_s=0)
         live = lc.open("chat", FakeSpan())
         await asyncio.sleep(0.01)

@@ -43,7 +43,7 @@ class FakeStage:
 
 class FakeDirectory:
     def __init__(self, max_model_len: int) -> None:
-        self.max_model_len = _Call(self._len)
+        self.max_model_len = self._len
         self.value = max_model_len
 
     async def _len(self) -> int:

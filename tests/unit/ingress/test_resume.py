@@ -81,7 +81,7 @@ def test_a_malformed_last_event_id_that_looks_numeric_is_still_a_400(raw: str) -
 
 # -- finding the kept stream ------------------------------------------------------------------------------------
 class Lookup:
-    """``directory.resume_lookup``: ``.remote(key, api_key_id)`` answers the next scripted lookup
+    """``directory.resume_lookup(key, api_key_id)`` answers the next scripted lookup
     (the last one again once the script runs out) and records the calls."""
 
     def __init__(self, answers: list[ResumeLookup]) -> None:
@@ -92,7 +92,7 @@ class Lookup:
         self.calls.append((key, api_key_id))
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
-    def remote(self, key: str, api_key_id: str | None) -> Any:
+    def __call__(self, key: str, api_key_id: str | None) -> Any:
         return self._lookup(key, api_key_id)
 
 

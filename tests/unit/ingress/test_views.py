@@ -12,13 +12,13 @@ from stages.ingress import views
 
 
 class _Directory:
-    """Stands in for the Directory handle: records what each report carried."""
+    """Stands in for the Directory client: records what each report carried."""
 
     def __init__(self) -> None:
         self.reports: list[tuple[str, str]] = []
         self.report_ingress = self
 
-    async def remote(self, replica: str, text: str) -> None:
+    async def __call__(self, replica: str, text: str) -> None:
         self.reports.append((replica, text))
 
 

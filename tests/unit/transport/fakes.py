@@ -216,8 +216,8 @@ class FakeDirectory:
     def __init__(self) -> None:
         self.forwarded: list[AbortRequest] = []
         self.held: dict[str, list[str]] = {}
-        self.forward_abort = Remote(self._forward)
-        self.take_aborts = Remote(self._take)
+        self.forward_abort = self._forward
+        self.take_aborts = self._take
 
     async def _forward(self, request: AbortRequest) -> None:
         request = copy(request)

@@ -256,7 +256,7 @@ async def test_taking_forwarded_aborts_survives_a_directory_failure() -> None:
             raise ConnectionError("directory restarting")
         return await FakeDirectory._take(directory, replica)
 
-    directory.take_aborts.fn = flaky
+    directory.take_aborts = flaky
     egress = FakeEgress("egress-A", directory=directory)
     await egress.submit(AdmissionBatch([generation_job("r1")]))
     directory.held["egress-A"] = ["r1"]
