@@ -55,8 +55,9 @@ CLUSTER_DEPLOYMENTS: dict[str, dict] = {
     "Ingress": _CPU_STAGE,
     "Preprocess": _CPU_STAGE,
     "Egress": _CPU_STAGE,
-    # Live requests (cancel by id) and replica reports: exactly one replica, whatever the size.
-    "Directory": {"replicas": 1, "bounds": {"min_replicas": 1, "max_replicas": 1},
+    # Live requests (cancel by id, resume) and replica reports: every replica holds all of it, so
+    # two keep cancels and /health answering while one is replaced (a node lost).
+    "Directory": {"replicas": 2, "bounds": {"min_replicas": 2, "max_replicas": 2},
                   "resources": {"num_cpus": 0.25, "resources": {CPU_STAGE_RESOURCE: 1}}},
     # One engine replica per GPU; max_replicas equals the GPU worker group's maxReplicas.
     "Engine": {"replicas": 1, "bounds": {"min_replicas": 1, "max_replicas": 4},

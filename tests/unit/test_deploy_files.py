@@ -460,7 +460,7 @@ def test_generator_output_is_valid_and_in_sync_for_the_current_and_an_autoscalin
     rendered = _deployments(render_rayservice.render(autoscaling_variant))
     assert rendered["Ingress"]["autoscaling_config"]["target_ongoing_requests"] == 7  # targets kept
     assert rendered["Ingress"]["autoscaling_config"]["max_replicas"] > 2  # bounds cluster-sized
-    assert rendered["Directory"]["num_replicas"] == 1
+    assert rendered["Directory"]["num_replicas"] == 2  # one may be lost with its node
 
 
 def test_sync_check_allows_exactly_the_excepted_fields(autoscaling_variant):
