@@ -46,12 +46,14 @@ class Events:
     def response_id(self) -> str:
         return json.loads(self.events[0][1])["id"]
 
-    def text(self) -> str:
+    def text(self, index: int | None = None) -> str:
+        """The streamed content, of choice ``index`` only when given."""
         out = []
         for _, data in self.events:
             if data != "[DONE]":
                 for choice in json.loads(data).get("choices", []):
-                    out.append(choice["delta"].get("content") or "")
+                    if index is None or choice["index"] == index:
+                        out.append(choice["delta"].get("content") or "")
         return "".join(out)
 
     def ids(self) -> list[int]:

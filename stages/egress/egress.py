@@ -254,12 +254,12 @@ class Egress:
                             raise
                         if move is not None:
                             move.resumed()
-                        move = _Move(job, replica, len(choices[0].token_ids))
+                        move = _Move(job, replica, sum(len(choices[i].token_ids) for i in open_choices))
                         if stream.forget is not None:
                             stream.forget()  # the replica is gone: nothing to abort there
                         else:
                             await stream.close()
-                        stream, accepted = await self._move(job, choices[0], lost)
+                        stream, accepted = await self._move(job, choices, open_choices, lost)
                         replica = accepted.replica or ""
                         move.accepted(replica)
                         yield EngineMoved(replica, [c.engine_id for c in choices])
@@ -305,7 +305,7 @@ class Egress:
 
     async def _may_move(self, job: GenerationJob, lost: list[str]) -> bool:
         """Whether a request lost on the replicas ``lost`` (the last just now) may move again."""
-        if job.n != 1 or len(lost) > self.max_migrations:
+        if len(lost) > self.max_migrations:
             return False
         if self.healthy_engines is None:
             return True
@@ -314,15 +314,21 @@ class Egress:
         except Exception:  # noqa: BLE001 - nobody to ask: the old error path
             return False
 
-    async def _move(self, job: GenerationJob, choice: _Choice, lost: list[str]) -> tuple[EngineStream, EngineOutput]:
-        """Send the request, with the tokens ``choice`` has so far, to an engine replica it was not
-        lost on. A replica lost before it accepted counts as one more move."""
+    async def _move(self, job: GenerationJob, choices: list[_Choice], open_choices: set[int],
+                    lost: list[str]) -> tuple[EngineStream, EngineOutput]:
+        """Send the request, with the tokens each choice has so far, to an engine replica it was
+        not lost on; the choices already finished are not run again. A replica lost before it
+        accepted counts as one more move."""
         while True:
-            request = dataclasses.replace(job.engine_request, output_token_ids=list(choice.token_ids), route=None,
-                                          avoid_replicas=[*job.engine_request.avoid_replicas, *lost])
+            request = dataclasses.replace(
+                job.engine_request, output_token_ids=[list(c.token_ids) for c in choices],
+                finished_choices=[c.index for c in choices if c.index not in open_choices], route=None,
+                avoid_replicas=[*job.engine_request.avoid_replicas, *lost])
             self.migrations += 1
-            self.recomputed_tokens += len(request.prompt_token_ids) + len(choice.token_ids)
-            choice.moved = True
+            self.recomputed_tokens += len(request.prompt_token_ids) + sum(
+                len(c.token_ids) for c in choices if c.index in open_choices)
+            for c in choices:
+                c.moved = True
             try:
                 return await self._open_accepted(request)
             except Exception as exc:

@@ -1,18 +1,18 @@
 """Moving a request off an engine replica that died, without its client noticing.
 
 Rule: when the engine replica running a request is lost (killed, OOM, its node gone, its step
-loop dead) and the request's choice is still open, Egress sends the request again to another
-healthy engine replica with the tokens generated so far (``EngineRequest.output_token_ids``):
-that replica computes prompt and those tokens, and goes on as if it had sampled them itself, so
+loop dead) and a choice of the request is still open, Egress sends the request again to another
+healthy engine replica with each choice's tokens so far (``EngineRequest.output_token_ids``) and
+the choices already finished (``finished_choices``, not run again): that replica computes prompt
+and those tokens, and each open choice goes on as if it had sampled them itself, so
 ``max_tokens``, penalties, the grammar's state and a seeded request's random stream all continue
 (:func:`stages.engine.core.sampler.step_seed`). Egress's detokeniser and event numbering simply go
 on, so the client sees one stream: no error, nothing repeated or missing, the usage of the whole.
 
 Bounds: a request moves at most ``engine.max_migrations`` times; it does not move when no other
-engine replica is healthy, or when it has several choices (``n > 1``: each choice's tokens differ,
-and one engine request carries them all); then its client gets the ``service_unavailable`` error
-event as before. A request whose client has gone is aborted, not moved (its job is cancelled, so it
-never gets here); a detached resumable stream is moved, since its client may come back.
+engine replica is healthy; then its client gets the ``service_unavailable`` error event as before.
+A request whose client has gone is aborted, not moved (its job is cancelled, so it never gets
+here); a detached resumable stream is moved, since its client may come back.
 
 Why in Egress: Egress is the engine's caller, notices the loss first (its channel to the replica
 fails), and already holds everything the move needs: the prompt, the tokens so far, and the

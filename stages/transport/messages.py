@@ -215,14 +215,21 @@ class EngineRequest:
     grammar: GrammarSpec | None = None
     #: Set by the engine router when it places the request (:mod:`stages.routing`).
     route: RouteNote | None = None
-    #: A request moved off a lost engine replica (``n == 1``): the tokens it had generated. This
-    #: replica computes prompt and these, then goes on as if it had sampled them itself (they
-    #: count toward ``max_tokens``, penalties, the grammar and the seeded position).
-    output_token_ids: list[int] = field(default_factory=list)
+    #: A request moved off a lost engine replica: per choice, the tokens it had generated (empty:
+    #: never moved). This replica computes prompt and these, then goes on as if it had sampled
+    #: them itself (they count toward ``max_tokens``, penalties, the grammar and the seeded
+    #: position).
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    #: Choices of a moved request that had already finished: they are not run again.
+    finished_choices: list[int] = field(default_factory=list)
 
     def choice_ids(self) -> list[str]:
         """The engine request id of every choice, in choice order."""
         return [choice_request_id(self.request_id, i, self.n) for i in range(self.n)]
+
+    def carried(self, index: int) -> list[int]:
+        """The tokens choice ``index`` generated before a move ([] when it never moved)."""
+        return self.output_token_ids[index] if self.output_token_ids else []
 
 
 def choice_request_id(request_id: str, index: int, n: int) -> str:

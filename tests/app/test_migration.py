@@ -105,4 +105,24 @@ def test_a_seeded_stream_moved_draws_what_it_would_have(app: Any) -> None:
         _kill_busiest_engine(app)
         run = future.result(timeout=180)
     _check(run, clean)
+
+
+def test_a_seeded_request_with_two_choices_moved_draws_what_it_would_have(app: Any) -> None:
+    """n = 2: both choices move together, each with its own tokens and its own random stream."""
+    app.wait_engines_idle(2, 180)
+    body = _body("Name three rivers and a mountain.", temperature=1.0, seed=77, n=2)
+    clean = _run(app.url, body)  # alone: batch 2, as the moved run's choices
+    started: list[int] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(_run, app.url, body, started)
+        deadline = time.monotonic() + 60
+        while not started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _kill_busiest_engine(app)
+        run = future.result(timeout=180)
+    assert run.events[-1][1] == "[DONE]" and all('"error"' not in d for _, d in run.events), run.events[-3:]
+    assert run.ids() == list(range(len(run.events)))
+    assert run.usage()["completion_tokens"] == 2 * TOKENS
+    assert [run.text(0), run.text(1)] == [clean.text(0), clean.text(1)]
+    assert clean.text(0) != clean.text(1)  # two random streams, not one twice
     app.wait_engines_idle(2, 180)  # others share this app

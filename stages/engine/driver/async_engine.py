@@ -55,12 +55,15 @@ class _Stream:
 
 @dataclass
 class _Group:
-    """The ``n`` choices of one API request: choice 0 runs first, its siblings join once it has
-    produced its first token, so they find the prompt's blocks in the prefix cache."""
+    """The ``n`` choices of one API request: the first one still open (choice 0, unless the request
+    moved here after it finished) runs first, its siblings join once it has produced its first
+    token, so they find the prompt's blocks in the prefix cache."""
 
     request: EngineRequest
     ids: list[str]
     stream: _Stream
+    #: The index of the choice that runs first.
+    leader: int = 0
     #: Choices handed to the step loop.
     added: set[str] = field(default_factory=set)
     #: Choices that have streamed their final item.
@@ -200,7 +203,7 @@ class AsyncEngine:
     async def generate(self, request: EngineRequest, sink: Callable[[list[EngineOutput]], None] | None = None,
                        ) -> AsyncIterator[list[EngineOutput]]:
         """Stream the outputs of all ``request.n`` choices: each item holds one merged output per
-        choice that produced something. The first item is choice 0's acceptance (``replica`` set;
+        choice that produced something. The first item is the leading choice's acceptance (``replica`` set;
         merged with its first tokens when they came before the consumer looked). Leaving the
         iteration early (break, cancellation, client gone) aborts every unfinished choice in the
         engine.
@@ -217,9 +220,13 @@ class AsyncEngine:
             if rid in self._groups:
                 raise DuplicateRequestIdError(f"engine request id {rid!r} is already in use")
         group = _Group(request, ids, _Stream())
+        for index in request.finished_choices:  # finished before the request moved here
+            group.finished.add(ids[index])
+            group.dropped.add(ids[index])
+        group.leader = min(set(range(len(ids))) - set(request.finished_choices))
         for rid in ids:
             self._groups[rid] = group
-        self._add(group, 0)
+        self._add(group, group.leader)
         stream = group.stream
         try:
             while len(group.finished) < len(ids):
@@ -248,14 +255,15 @@ class AsyncEngine:
 
     def _take(self, group: _Group, outs: list[EngineOutput]) -> list[EngineOutput]:
         """Merge one group's outputs into one per choice; note finished choices, and start the
-        siblings once choice 0 has produced (its prompt is computed and cached by then)."""
+        siblings once the leading choice has produced (its prompt is computed and cached by then)."""
         items = merge_group(outs)
         ids = group.ids
         for out in items:
             if out.finish_reason is not None:
                 group.finished.add(out.request_id)
-            if out.index == 0 and (out.new_token_ids or out.finish_reason) and len(group.added) < len(ids):
-                for i in range(1, len(ids)):
+            if (out.index == group.leader and (out.new_token_ids or out.finish_reason)
+                    and len(group.added) + len(group.dropped) < len(ids)):
+                for i in range(len(ids)):
                     self._add(group, i)
         return items
 
@@ -268,7 +276,8 @@ class AsyncEngine:
         params = req.sampling_params
         if index and params.seed is not None:  # distinct choices from one seed: seed + index
             params = dataclasses.replace(params, seed=params.seed + index)
-        self.driver.send(AddRequest(rid, index, req, params, len(group.ids) if index == 0 else 0, time.monotonic()))
+        admit = len(group.ids) - len(group.request.finished_choices) if index == group.leader else 0
+        self.driver.send(AddRequest(rid, index, req, params, admit, time.monotonic()))
 
     def abort(self, request_id: str) -> None:
         """Abort ``request_id`` (no-op if unknown or finished). Its stream ends with a final

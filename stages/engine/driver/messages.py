@@ -56,7 +56,8 @@ class AddRequest:
     index: int
     request: EngineRequest
     params: Any
-    #: Choice 0 carries the group's size (checked against the waiting-queue bound); siblings 0.
+    #: The group's first choice carries the group's size (checked against the waiting-queue bound,
+    #: and its acceptance is the stream's first item); its siblings 0.
     admit: int
     arrival: float
     #: The structured-output matcher template, once the loop has had it built off its thread.

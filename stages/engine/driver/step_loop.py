@@ -253,14 +253,14 @@ class StepLoop:
                     "Retry later.", replica=self.replica, retry_after=1.0)
             req = self.engine.add_request(add.request_id, request.prompt_token_ids, add.params, add.arrival,
                                           grammar=request.grammar, grammar_template=add.grammar_template,
-                                          output_token_ids=request.output_token_ids)
+                                          output_token_ids=request.carried(add.index))
             req.trace = request.trace_context or None
             req.route = request.route
-            if add.index == 0:
+            if add.admit:
                 # An empty first item says "accepted": callers can commit to a 200 response now and
                 # still report queue-full or invalid requests with their own status before it.
                 self.emit(Outputs([EngineOutput(add.request_id, [], num_prompt_tokens=req.num_prompt_tokens,
-                                                index=0, replica=self.replica)]))
+                                                index=add.index, replica=self.replica)]))
         except EngineError as exc:
             self.emit(Fail(add.request_id, exc))
 

@@ -210,12 +210,12 @@ class DyingEngine:
         first = len(self.opened) == 1
         prompt = len(request.prompt_token_ids)
         # The first replica's usage and timings are the ones the summary must keep.
-        n_prompt, n_cached = (prompt, 1) if first else (prompt + len(request.output_token_ids), 0)
+        n_prompt, n_cached = (prompt, 1) if first else (prompt + len(request.carried(0)), 0)
         timings = FIRST_TIMINGS if first else {"queue": 5.0, "prefill": 6.0}
 
         async def items() -> Any:
             yield [EngineOutput(request.request_id, [], num_prompt_tokens=n_prompt, replica=replica)]
-            start = len(request.output_token_ids)
+            start = len(request.carried(0))
             for pos in range(start, len(self.tokens)):
                 if dies is not None and pos >= dies:
                     if self.error is None:
@@ -276,7 +276,7 @@ def test_a_lost_engine_moves_the_request_and_the_stream_goes_on_unbroken(tok: An
     assert len(engine.opened) == 2
     moved = engine.opened[1]
     assert moved.request_id == "r1" and moved.prompt_token_ids == [1, 2, 3]
-    assert moved.output_token_ids == words[:k] and "e1" in moved.avoid_replicas
+    assert moved.output_token_ids == [words[:k]] and moved.finished_choices == [] and "e1" in moved.avoid_replicas
     kinds = [type(i).__name__ for i in items]
     assert kinds[0] == "StreamStart" and kinds[-1] == "StreamSummary" and kinds.count("EngineMoved") == 1
     at = kinds.index("EngineMoved")
@@ -310,24 +310,22 @@ def test_a_moved_non_streamed_request_gets_the_whole_body(tok: Any) -> None:
 
 
 @pytest.mark.parametrize("loss", ["unavailable", "early_end"])
-@pytest.mark.parametrize("case", ["max_migrations_0", "n_2", "only_the_lost_one_healthy", "health_check_fails"])
+@pytest.mark.parametrize("case", ["max_migrations_0", "only_the_lost_one_healthy", "health_check_fails"])
 def test_no_move_gives_the_caller_the_engine_error(tok: Any, case: str, loss: str) -> None:
-    """No move (not allowed, n > 1, no other healthy replica, nobody to ask): the loss reaches the
-    caller as before, EngineUnavailableError for an early end, and nothing is sent again."""
+    """No move (not allowed, no other healthy replica, nobody to ask): the loss reaches the caller
+    as before, EngineUnavailableError for an early end, and nothing is sent again."""
     words = ids(tok, TEXT)
     error = EngineUnavailableError("engine replica lost")
     engine = DyingEngine(words, dies_after=[3], error=None if loss == "early_end" else (lambda: error))
-    max_migrations, n, healthy = 3, 1, None
+    max_migrations, healthy = 3, None
     if case == "max_migrations_0":
         max_migrations = 0
-    elif case == "n_2":
-        n = 2
     elif case == "only_the_lost_one_healthy":
         healthy = engine.healthy(["e1"])
     else:
         healthy = engine.healthy(RuntimeError("directory unreachable"))
     egress = moving(tok, engine, max_migrations=max_migrations, healthy=healthy)
-    items, err = asyncio.run(collect_until_error(egress, job(n=n)))  # n=2: the fake feeds choice 0
+    items, err = asyncio.run(collect_until_error(egress, job()))
     assert isinstance(err, EngineUnavailableError)
     if loss == "unavailable":
         assert err is error, "the original error, unchanged"
@@ -335,6 +333,72 @@ def test_no_move_gives_the_caller_the_engine_error(tok: Any, case: str, loss: st
     assert not any(isinstance(i, (EngineMoved, StreamSummary)) for i in items)
     if case in ("only_the_lost_one_healthy", "health_check_fails"):
         assert engine.health_asks == 1
+
+
+class DyingGroupEngine:
+    """Engine replicas for a request with several choices: choice i generates ``tokens[i]`` from
+    where its carried tokens leave off, one token per open choice per round, and finishes with
+    ``"stop"`` after ``stops[i]`` tokens (None: ``"length"`` at the end). The first replica dies
+    (raises) before round ``dies_at``."""
+
+    def __init__(self, tokens: list[list[int]], stops: list[int | None], dies_at: int) -> None:
+        self.tokens, self.stops, self.dies_at = tokens, stops, dies_at
+        self.opened: list[EngineRequest] = []
+
+    def open(self, request: EngineRequest) -> EngineStream:
+        self.opened.append(request)
+        replica, first = f"e{len(self.opened)}", len(self.opened) == 1
+        ids = request.choice_ids()
+        open_choices = [i for i in range(request.n) if i not in request.finished_choices]
+
+        async def items() -> Any:
+            yield [EngineOutput(ids[open_choices[0]], [], num_prompt_tokens=3, replica=replica,
+                                index=open_choices[0])]
+            pos = {i: len(request.carried(i)) for i in open_choices}
+            for round_ in range(100):
+                if first and round_ == self.dies_at:
+                    raise EngineUnavailableError("engine replica lost")
+                outs = []
+                for i in [i for i in open_choices if i in pos]:
+                    end = self.stops[i] if self.stops[i] is not None else len(self.tokens[i])
+                    finish = None if pos[i] + 1 < end else ("stop" if self.stops[i] is not None else "length")
+                    outs.append(EngineOutput(ids[i], [self.tokens[i][pos[i]]], index=i, finish_reason=finish))
+                    pos[i] += 1
+                    if finish:
+                        del pos[i]
+                if not outs:
+                    return
+                await asyncio.sleep(0)
+                yield outs
+
+        async def close() -> None:
+            pass
+
+        return EngineStream(items(), close)
+
+
+def test_a_request_with_two_choices_moves_each_open_choice_with_its_own_tokens(tok: Any) -> None:
+    """n = 2: choice 0 stopped after 2 tokens, then the replica was lost at round 3. The move
+    carries both choices' tokens, marks choice 0 finished (not run again), and choice 1 goes on:
+    each choice's text is whole, events are numbered without a gap, usage counts every token."""
+    first, second = ids(tok, " one two three"), ids(tok, TEXT)
+    engine = DyingGroupEngine([first, second], stops=[2, None], dies_at=3)
+    egress = Egress(tok, engine.open, max_migrations=3, healthy_engines=DyingEngine([], []).healthy())
+    items, err = asyncio.run(collect_until_error(egress, job(n=2)))
+    assert err is None
+    moved = engine.opened[1]
+    assert moved.output_token_ids == [first[:2], second[:3]] and moved.finished_choices == [0]
+    frames = [i for i in items if isinstance(i, StreamFrame)]
+    assert [f.event_id for f in frames] == list(range(len(frames)))
+    text = {0: "", 1: ""}
+    for f in frames:
+        for choice in json.loads(f.data.split("data: ")[1])["choices"]:
+            text[choice["index"]] += choice["text"]
+    assert text == {0: tok.decode(first[:2]), 1: TEXT}
+    summary = items[-1]
+    assert summary.finish_reasons == ["stop", "length"]
+    assert summary.completion_tokens == 2 + len(second)
+    assert egress.migrations == 1 and egress.recomputed_tokens == 3 + 3
 
 
 @pytest.mark.parametrize("error", [SamplingError("this request's sampling failed"), ValueError("a bug")],
@@ -360,7 +424,7 @@ def test_a_request_moves_at_most_max_migrations_times(tok: Any) -> None:
     items, err = asyncio.run(collect_until_error(egress, job()))
     assert err is error
     assert len(engine.opened) == 4
-    assert [r.output_token_ids for r in engine.opened] == [[], words[:2], words[:3], words[:4]]
+    assert [r.carried(0) for r in engine.opened] == [[], words[:2], words[:3], words[:4]]
     assert [r.request_id for r in engine.opened] == ["r1"] * 4
     for lost, req in zip(["e1", "e2", "e3"], engine.opened[1:], strict=True):
         assert lost in req.avoid_replicas

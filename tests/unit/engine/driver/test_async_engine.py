@@ -182,6 +182,30 @@ def test_group_runs_every_choice_and_siblings_share_the_cached_prompt():
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_a_moved_group_continues_each_open_choice_from_its_own_tokens_and_skips_the_finished():
+    """A request with n = 3 moved here: choice 0 had finished, choices 1 and 2 carry 2 and 4 tokens.
+    Choice 1 leads (its acceptance is the first item), each open choice continues its own tokens
+    to max_tokens, and choice 0 is never run again."""
+    prompt, ref = list(range(1, 21)), None
+
+    async def main():
+        eng = _async(_engine(step_s=0.002))
+        eng.start()
+        request = EngineRequest("g", prompt, params(max_tokens=6), n=3,
+                                output_token_ids=[ref[:3], ref[:2], ref[:4]], finished_choices=[0])
+        items = [outs async for outs in eng.generate(request)]
+        eng.shutdown()
+        return items
+
+    ref = reference(prompt, 6)
+    items = run(main())
+    first = items[0][0]
+    assert (first.request_id, first.index, first.new_token_ids) == ("g-1", 1, []) and first.replica is not None
+    tokens, reasons = _collect(items)
+    assert reasons == {"g-1": "length", "g-2": "length"}
+    assert tokens["g-1"] == ref[2:] and tokens["g-2"] == ref[4:]
+
+
 def test_abort_of_a_sibling_not_yet_started_ends_it_at_once():
     async def main():
         eng = _async(_engine(step_s=0.01))
