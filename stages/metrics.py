@@ -94,6 +94,9 @@ class IngressMetrics:
         self.slow_readers = Counter(PREFIX + "slow_reader_aborts_total",
                                     "Streams aborted because the client stopped reading (stream buffer full).",
                                     labels, registry=reg)
+        self.egress_moves = Counter(PREFIX + "egress_moves_total",
+                                    "Requests moved to another Egress replica after theirs was lost.",
+                                    labels, registry=reg)
         self.prepared = Counter(PREFIX + "preprocess_requests_total",
                                 "Requests templated and tokenised, by where: the Ingress itself or the Preprocess stage.",
                                 labels + ["where"], registry=reg)
@@ -156,6 +159,9 @@ class IngressMetrics:
 
     def observe_slow_reader(self) -> None:
         self.slow_readers.labels(self.model_name).inc()
+
+    def observe_egress_move(self) -> None:
+        self.egress_moves.labels(self.model_name).inc()
 
     def observe_abort(self, reason: str) -> None:
         """A request that ended without its answer; ``reason`` is its outcome (``client_gone``, ...)."""

@@ -31,6 +31,7 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from stages.transport.membership import routed_replicas
 from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, ResumeLookup, WatchReply
 
 logger = logging.getLogger(__name__)
@@ -43,24 +44,6 @@ WRITE_TIMEOUT_S = 5.0
 #: gets every owner's whole list, a watch of its own and the kept streams within this long.
 MEMBERS_PERIOD_S = 1.0
 
-#: The Directory routers of this process, by (app, deployment): the replicas each routes to.
-_ROUTERS: dict[tuple[str, str], Any] = {}
-
-
-def register_router(router: Any) -> None:
-    """Called by :class:`~stages.directory.router.DirectoryRouter` when Serve creates it."""
-    deployment = router._deployment_id
-    _ROUTERS[(deployment.app_name, deployment.name)] = router
-
-
-def routed_members(app: str, deployment: str) -> list[str]:
-    """The Directory replicas this process's handle routes to now, sorted ([] before its first call)."""
-    router = _ROUTERS.get((app, deployment))
-    if router is None:
-        return []
-    return sorted(replica.unique_id for replica in list(router.curr_replicas))
-
-
 class DirectoryClient:
     """A Serve handle to the Directory, with the replication rule above.
 
@@ -70,7 +53,7 @@ class DirectoryClient:
     def __init__(self, handle: Any, members: Callable[[], list[str]] | None = None,
                  write_timeout_s: float = WRITE_TIMEOUT_S) -> None:
         self.handle = handle
-        self._members = members or (lambda: routed_members(handle.app_name, handle.deployment_name))
+        self._members = members or (lambda: routed_replicas(handle.app_name, handle.deployment_name))
         self.write_timeout_s = write_timeout_s
 
     # -- which replicas ---------------------------------------------------------------------------------

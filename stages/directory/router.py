@@ -1,7 +1,8 @@
 """The Directory's Serve request router: a call naming ``member=`` goes to that replica.
 
-It runs inside every caller's handle to the Directory and tells :mod:`stages.directory.client`
-which replicas it routes to (writes go to each of them). A call naming a replica that is no
+It runs inside every caller's handle to the Directory and registers itself
+(:mod:`stages.transport.membership`), so that :mod:`stages.directory.client` knows which replicas
+it routes to (writes go to each of them). A call naming a replica that is no
 longer a candidate (it died or is draining) goes to any other: every Directory write is idempotent,
 so the copy does no harm, and the caller learns of the new membership on its next look. Calls
 without ``member`` (reads) go wherever Serve's queue lengths say.
@@ -25,7 +26,7 @@ class DirectoryRouter(RequestRouter):
     def initialize_state(self, **_: Any) -> None:
         # Imported here, not at the top: Serve may pickle this class by value, and the registry
         # it writes to (live routers) must not come along.
-        from stages.directory.client import register_router
+        from stages.transport.membership import register_router
 
         register_router(self)
 

@@ -96,6 +96,8 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     #: Moved to another engine replica: usage and TTFT parts stay those of the first one.
     moved: bool = False
+    #: Tokens consumed since this choice's last frame (the next frame carries them).
+    unframed: list[int] = field(default_factory=list)
 
 
 class Egress:
@@ -226,12 +228,25 @@ class Egress:
         the engine replica is lost, the request moves to another (:mod:`stages.egress.migration`)
         and an :class:`EngineMoved` says where."""
         choices = [self._new_choice(job, i) for i in range(job.n)]
-        stream, accepted = await self._open_accepted(job.engine_request)
+        open_choices = set(range(job.n))
+        request, event_id = job.engine_request, 0
+        if job.carry is not None:
+            request, event_id = self._rebuild(job, choices, open_choices), job.carry.next_event_id
+        if not open_choices:  # every choice had ended; only the summary was lost with its replica
+            assert job.carry is not None
+            yield StreamStart(engine_replica="", engine_request_ids=[c.engine_id for c in choices],
+                              prompt_tokens=job.carry.prompt_tokens)
+            summary = self._summary(choices, 0.0)
+            summary.prompt_tokens, summary.num_events = job.carry.prompt_tokens, event_id
+            if not job.stream:
+                summary.body = self._body(job, choices, summary)
+            yield summary
+            return
+        stream, accepted = await self._open_accepted(request)
         replica = accepted.replica or ""
-        busy, event_id = 0.0, 0
+        busy = 0.0
         lost: list[str] = []  # engine replicas this request was lost on
         move: _Move | None = None
-        open_choices = set(range(job.n))
         try:
             yield StreamStart(engine_replica=replica, engine_request_ids=[c.engine_id for c in choices],
                               prompt_tokens=accepted.num_prompt_tokens)
@@ -276,13 +291,15 @@ class Egress:
                         move.resumed()  # the first token from the new replica: the move is over
                         move = None
                     chunk = self._consume(job, c, out)
+                    c.unframed.extend(out.new_token_ids)
                     if c.finish_reason is not None:
                         open_choices.discard(c.index)
                         if c.stopped_by_string and out.finish_reason is None:
                             stopped.append(c.engine_id)
                     if chunk is not None:
                         frames.append(StreamFrame(sse_event(chunk, event_id), c.index, len(out.new_token_ids),
-                                                  c.finish_reason, event_id))
+                                                  c.finish_reason, event_id, c.unframed))
+                        c.unframed = []
                         event_id += 1
                 busy += time.perf_counter() - t0
                 if stopped and open_choices and self.engine_abort is not None:
@@ -302,6 +319,21 @@ class Egress:
             summary.body = self._body(job, choices, summary)
             summary.egress_busy += time.perf_counter() - t0
         yield summary
+
+    def _rebuild(self, job: GenerationJob, choices: list[_Choice], open_choices: set[int]) -> EngineRequest:
+        """A job moved here from a lost Egress replica (:class:`StreamCarry`): bring each choice to
+        where its client is (the chunks that produces were sent already) and return the engine
+        request for the rest, carrying each choice's tokens."""
+        carry = job.carry
+        assert carry is not None
+        for c in choices:
+            if c.index in carry.started:
+                self._consume(job, c, EngineOutput(c.engine_id, list(carry.token_ids[c.index])))
+            if c.index in carry.finished:
+                c.finish_reason = carry.finished[c.index]
+                open_choices.discard(c.index)
+        return dataclasses.replace(job.engine_request, output_token_ids=[list(t) for t in carry.token_ids],
+                                   finished_choices=sorted(carry.finished), route=None)
 
     async def _may_move(self, job: GenerationJob, lost: list[str]) -> bool:
         """Whether a request lost on the replicas ``lost`` (the last just now) may move again."""

@@ -53,6 +53,7 @@ from stages.errors import (
 )
 from stages.heap import start_trimmer
 from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
+from stages.ingress.egress_moves import EgressLostError, EgressMoves
 from stages.ingress.http_errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
 from stages.ingress.prep import Prep
@@ -71,6 +72,7 @@ from stages.model_info import EMBEDDED_MODEL, EMBEDDED_SERVED_NAME
 from stages.telemetry import configure_logging, configure_tracing, extract, get_tracer, inject
 from stages.transport.consumer import Consumer
 from stages.transport.liveness import own_actor_name, own_replica_id
+from stages.transport.membership import routed_replicas
 from stages.transport.messages import (
     AbortRequest,
     EngineMoved,
@@ -78,6 +80,7 @@ from stages.transport.messages import (
     PreprocessRequest,
     ResumeStart,
     ResumeTerms,
+    StreamStart,
     StreamSummary,
 )
 
@@ -105,7 +108,7 @@ def validate_request_id(value: str | None) -> str | None:
 
 
 def _egress_lost(replica: str) -> BaseException:
-    return EngineUnavailableError(f"The Egress replica {replica} was lost before the request finished. Retry.")
+    return EgressLostError(f"The Egress replica {replica} was lost before the request finished. Retry.")
 
 
 def _ms(seconds: float | None) -> float:
@@ -272,7 +275,9 @@ class Ingress:
             deadline = self._deadline(live)
             call = self.to_egress.open_frames(job)
             start = await call.start(deadline - time.perf_counter() if deadline else None)
-            gen = call
+            gen = EgressMoves(self.to_egress, call, job, start, max_moves=self.cfg.engine.max_migrations,
+                              replicas=self._egress_replicas,
+                              on_move=lambda moves, moved: self._egress_moved(live, moves, moved))
             self.lifecycle.started(live, start)
             if req.stream:
                 return self._stream(gen, job, live)
@@ -287,6 +292,19 @@ class Ingress:
             live.status = err.status_code
             self.lifecycle.close(live, Outcome.TIMEOUT if isinstance(err, RequestTimeoutError) else Outcome.ERROR)
             return error_response(err, headers=self._id_headers(live))
+
+    def _egress_replicas(self) -> list[str]:
+        return routed_replicas(self.egress.app_name, self.egress.deployment_name)
+
+    def _egress_moved(self, live: LiveRequest, moves: int, start: StreamStart) -> None:
+        """The request's Egress replica was lost and another took it over
+        (:mod:`stages.ingress.egress_moves`): its kept events died with the first, so it is no
+        longer resumable."""
+        live.resumable = False
+        live.span.add_event("egress_moved", {"lifecycle.egress_replica": start.egress_replica,
+                                             "lifecycle.egress_moves": moves})
+        self.metrics.observe_egress_move()
+        logger.info("request %s moved to Egress replica %s (move %d)", live.request_id, start.egress_replica, moves)
 
     def _id_headers(self, live: LiveRequest) -> dict[str, str]:
         return {SERVER_ID_HEADER: live.request_id}

@@ -204,6 +204,10 @@ class EgressRouter(RequestRouter):
 
     def initialize_state(self, **_: Any) -> None:
         self._sent = SentSinceReport()
+        # Imported here: Serve may pickle this class by value (see EngineRouter.initialize_state).
+        from stages.transport.membership import register_router
+
+        register_router(self)  # an Ingress moves a stream only when another replica is there
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

@@ -386,6 +386,25 @@ class GenerationJob:
     tool_parsing: str | None = None
     #: Set for a resumable stream (``X-Resumable``): Egress keeps its events for a reconnect.
     resume: ResumeTerms | None = None
+    #: Set when the job moves here from an Egress replica that was lost mid-stream: what its client
+    #: has already received (:mod:`stages.ingress.egress_moves`).
+    carry: StreamCarry | None = None
+
+
+@dataclass
+class StreamCarry:
+    """A stream's state as its client has received it, per choice: Egress rebuilds its
+    detokeniser, stop-string and tool-call state from the tokens, sends nothing they produced
+    again, numbers the next event ``next_event_id``, and asks the engine only for the rest."""
+
+    #: Per choice, the tokens behind every event received (and any text held back after them).
+    token_ids: list[list[int]]
+    #: Choices with at least one event received (their first chunk, with the role, is sent).
+    started: list[int]
+    #: Choices whose last event was received, with their finish reasons.
+    finished: dict[int, str]
+    next_event_id: int
+    prompt_tokens: int
 
 
 @dataclass
@@ -437,6 +456,9 @@ class StreamFrame:
     #: The event's SSE ``id:`` (Egress numbers a stream's events from 0; a reconnecting client
     #: names the last one it received).
     event_id: int = -1
+    #: The tokens of that choice behind this event since its previous one (so a stream whose
+    #: Egress replica is lost can be rebuilt on another: :class:`StreamCarry`).
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

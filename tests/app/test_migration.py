@@ -92,6 +92,40 @@ def test_greedy_streams_move_off_a_killed_engine_without_a_seam(app: Any) -> Non
     assert moved >= 1, "the Egress replicas counted no migration"
 
 
+def test_greedy_streams_move_off_a_killed_egress_without_a_seam(app: Any) -> None:
+    """SIGKILL an Egress replica under 8 streams: each stream it ran goes on through the other one
+    (stages/ingress/egress_moves.py), rebuilt from what its client received."""
+    app.wait_engines_idle(2, 180)
+    prompt = "Describe a harbour at dawn."
+    clean = _run(app.url, _body(prompt))
+    before = _metric(app, "lifecycle:egress_moves_total")
+    started: list[int] = []
+    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
+        futures = [pool.submit(_run, app.url, _body(prompt), started) for _ in range(STREAMS)]
+        deadline = time.monotonic() + 60
+        while len(started) < STREAMS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        victim = replica_actors(app.name)["Egress"][0]
+        os.kill(victim["pid"], signal.SIGKILL)
+        runs = [f.result(timeout=180) for f in futures]
+    for run in runs:
+        _check(run, clean)
+    deadline = time.monotonic() + 15  # each Ingress replica's counters reach /metrics within seconds
+    while _metric(app, "lifecycle:egress_moves_total") <= before:
+        assert time.monotonic() < deadline, "no stream was counted as moved"
+        time.sleep(0.5)
+    deadline = time.monotonic() + 90
+    while len(replica_actors(app.name).get("Egress", [])) < 2:  # others share this app
+        assert time.monotonic() < deadline, "Serve never replaced the Egress replica"
+        time.sleep(0.5)
+    app.wait_engines_idle(2, 180)
+
+
+def _metric(app: Any, name: str) -> float:
+    text = httpx.get(app.url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
 def test_a_seeded_stream_moved_draws_what_it_would_have(app: Any) -> None:
     app.wait_engines_idle(2, 180)
     body = _body("Invent a name for a new colour.", temperature=1.0, seed=1234)

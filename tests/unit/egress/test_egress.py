@@ -5,6 +5,7 @@ moved off a lost engine replica (and when it is not)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -21,6 +22,7 @@ from stages.transport.messages import (
     EngineRequest,
     GenerationJob,
     SamplingParams,
+    StreamCarry,
     StreamFrame,
     StreamStart,
     StreamSummary,
@@ -433,3 +435,57 @@ def test_a_request_moves_at_most_max_migrations_times(tok: Any) -> None:
     assert [f.event_id for f in frames] == list(range(len(frames)))
     assert sum(f.num_tokens for f in frames) == 5
     assert egress.migrations == 3 and egress.recomputed_tokens == 3 * 3 + 2 + 3 + 4
+
+
+# -- a stream rebuilt on another Egress replica (stages/ingress/egress_moves.py) ---------------------
+def _carry_of(frames: list[StreamFrame], n: int, prompt_tokens: int) -> StreamCarry:
+    """What a client that received ``frames`` has: the carry an Ingress builds from them."""
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    finished: dict[int, str] = {}
+    for f in frames:
+        tokens[f.index].extend(f.token_ids)
+        if f.finish_reason is not None:
+            finished[f.index] = f.finish_reason
+    return StreamCarry(tokens, sorted({f.index for f in frames}), finished,
+                       frames[-1].event_id + 1 if frames else 0, prompt_tokens)
+
+
+@pytest.mark.parametrize("stop", [None, [" lazy"]], ids=["plain", "stop_string"])
+@pytest.mark.parametrize("received", [0, 1, 4, 7])
+def test_a_stream_rebuilt_from_what_its_client_received_goes_on_byte_for_byte(
+        tok: Any, received: int, stop: list[str] | None) -> None:
+    """The events a client received from a first Egress, then those a second Egress sends from
+    the carry of those events, are exactly the events of the uninterrupted stream: same bytes,
+    same ids, the same usage. The second asks the engine only for what follows the carried tokens."""
+    words = ids(tok, TEXT)
+
+    def run(j: GenerationJob) -> tuple[list[Any], DyingEngine]:
+        engine = DyingEngine(words, dies_after=[None])
+        return asyncio.run(collect(Egress(tok, engine.open), j)), engine
+
+    whole, _ = run(job(stop=stop))
+    frames = [i for i in whole if isinstance(i, StreamFrame)]
+    assert len(frames) > received
+    carry = _carry_of(frames[:received], 1, whole[0].prompt_tokens)
+    rest, engine = run(dataclasses.replace(job(stop=stop), carry=carry))
+    assert engine.opened[0].output_token_ids == carry.token_ids
+    again = [i for i in rest if isinstance(i, StreamFrame)]
+    assert [f.data for f in frames[:received] + again] == [f.data for f in frames]
+    assert [f.token_ids for f in frames[:received] + again] == [f.token_ids for f in frames]
+    summary, clean = rest[-1], whole[-1]
+    assert (summary.completion_tokens, summary.finish_reasons, summary.num_events) == (
+        clean.completion_tokens, clean.finish_reasons, clean.num_events)
+
+
+def test_a_stream_whose_every_choice_had_ended_gets_only_its_summary(tok: Any) -> None:
+    """Lost after the last event but before the summary: nothing runs again."""
+    words = ids(tok, TEXT)
+    engine = DyingEngine(words, dies_after=[None])
+    whole = asyncio.run(collect(Egress(tok, engine.open), job()))
+    frames = [i for i in whole if isinstance(i, StreamFrame)]
+    later = DyingEngine(words, dies_after=[None])
+    rest = asyncio.run(collect(Egress(tok, later.open),
+                               dataclasses.replace(job(), carry=_carry_of(frames, 1, whole[0].prompt_tokens))))
+    assert later.opened == [] and [type(i) for i in rest] == [StreamStart, StreamSummary]
+    assert rest[-1].completion_tokens == len(words) and rest[-1].finish_reasons == ["length"]
+    assert rest[-1].prompt_tokens == whole[-1].prompt_tokens and rest[-1].num_events == len(frames)
