@@ -1,12 +1,15 @@
-"""What a move off a killed engine replica costs the client: the time from the kill to the next
-token, against a fresh request's TTFT for a prompt as long as what the move recomputes.
+"""What a move off a killed engine (or Egress) replica costs the client: the time from the kill
+to the next token, against a fresh request's TTFT for a prompt as long as what the move recomputes.
 
     .venv/bin/python bench/experiments/migration_gap.py --rounds 3 --out bench/results/migration_gap.json
+    .venv/bin/python bench/experiments/migration_gap.py --kill egress --rounds 3 --out ...
 
-Serves ``serve_config.yaml``'s app args with the Engine at 2 fixed replicas (its own private Ray;
-the CPU stages at one replica each). Each round: one greedy stream (``--prompt-tokens`` of prompt,
-``--max-tokens`` out, ignore_eos) is read until ``--kill-after`` tokens, then the engine replica
-running it is killed with SIGKILL; the client clocks the gap from the kill to its next token and
+Serves ``serve_config.yaml``'s app args with the Engine (``--kill engine``) or the Egress
+(``--kill egress``) at 2 fixed replicas (its own private Ray; the other stages at one replica
+each). Each round: one greedy stream (``--prompt-tokens`` of prompt, ``--max-tokens`` out,
+ignore_eos) is read until ``--kill-after`` tokens, then the replica running it is killed with
+SIGKILL (the Egress replica that is using CPU: the other is idle); the client clocks the gap from
+the kill to its next token and
 checks the stream ends normally with every token. Then, on the surviving engine, a fresh request
 with an uncached prompt of ``prompt + kill_after`` tokens gives the TTFT to compare with. The
 killed replica's replacement is awaited before the next round.
@@ -73,6 +76,26 @@ def engines(app_name: str) -> dict[str, int]:
     return {a["name"].rsplit("#", 1)[-1]: a["pid"] for a in replica_actors(app_name).get("Engine", [])}
 
 
+def egresses(app_name: str) -> dict[str, int]:
+    from tests.fault_harness import replica_actors
+
+    return {a["name"].rsplit("#", 1)[-1]: a["pid"] for a in replica_actors(app_name).get("Egress", [])}
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def busy_egress(app_name: str) -> str:
+    """The Egress replica running the stream: the one that used CPU over the last second."""
+    pids = egresses(app_name)
+    before = {name: _cpu_ticks(pid) for name, pid in pids.items()}
+    time.sleep(1.0)
+    used = {name: _cpu_ticks(pid) - before[name] for name, pid in pids.items()}
+    return max(used, key=used.__getitem__)
+
+
 def busy_engine(url: str) -> str:
     text = httpx.get(url + "/metrics", timeout=30).text
     for line in text.splitlines():
@@ -134,8 +157,12 @@ def one_round(url: str, app_name: str, a: argparse.Namespace, otlp: Any = None) 
     t.start()
     reached.wait(300)
     time.sleep(0.3)  # the metrics report catches up (engines report every second)
-    victim = busy_engine(url)
-    pids = engines(app_name)
+    if a.kill == "egress":
+        victim = busy_egress(app_name)
+        pids = egresses(app_name)
+    else:
+        victim = busy_engine(url)
+        pids = engines(app_name)
     killed_at = time.perf_counter()
     os.kill(pids[victim], signal.SIGKILL)
     t.join(300)
@@ -143,7 +170,7 @@ def one_round(url: str, app_name: str, a: argparse.Namespace, otlp: Any = None) 
     before_gaps = [b - a_ for a_, b in zip(times, times[1:], strict=False) if b < killed_at]
     fresh = ttft(url, _prompt(a.prompt_tokens + a.kill_after))  # while the replacement starts
     deadline = time.monotonic() + 300
-    while len(engines(app_name)) < 2 and time.monotonic() < deadline:
+    while len((egresses if a.kill == "egress" else engines)(app_name)) < 2 and time.monotonic() < deadline:
         time.sleep(1)
     time.sleep(15)  # the replacement loads its model and starts reporting
     moved = "".join(text)
@@ -157,7 +184,7 @@ def one_round(url: str, app_name: str, a: argparse.Namespace, otlp: Any = None) 
            "moved_vs_unmoved_diverge_at_char": diverge(moved, again[0]),
            "unmoved_twice_diverge_at_char": diverge(again[0], again[1]), "chars": len(moved),
            "steady_ttft_s": steady,
-           "trace": trace_parts(otlp, done.get("id")) if otlp is not None else None,
+           "trace": trace_parts(otlp, done.get("id")) if otlp is not None and a.kill == "engine" else None,
            "itl_before_p50_s": statistics.median(before_gaps) if before_gaps else None,
            "fresh_ttft_s": fresh, "completion_tokens": (done.get("usage") or {}).get("completion_tokens"),
            "error": done.get("error"), "same_text_as_unmoved": moved == again[0],
@@ -171,6 +198,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--kill-after", type=int, default=24)
+    p.add_argument("--kill", choices=["engine", "egress"], default="engine")
     p.add_argument("--out", default="bench/results/migration_gap.json")
     a = p.parse_args()
     os.environ["RAY_ADDRESS"] = "local"
@@ -180,7 +208,8 @@ def main() -> None:
     otlp = OTLPReceiver()
     args = yaml.safe_load((ROOT / "serve_config.yaml").read_text())["applications"][0]["args"]
     args["tracing"] = {"enabled": True, "sampling_ratio": 1.0, "otlp_endpoint": otlp.endpoint}
-    options = {"Engine": {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5}}}
+    stage = "Engine" if a.kill == "engine" else "Egress"
+    options = {stage: {"num_replicas": 2, "ray_actor_options": {"num_cpus": 0.5 if a.kill == "engine" else 0.1}}}
     url, _ = start_app(args, options=options)
     MODEL["name"] = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     try:
