@@ -38,6 +38,25 @@ def replica_actors(app: str) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def cpu_ticks(pid: int) -> int:
+    """User plus system CPU time of a process so far, in clock ticks (0 when it is gone)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[11]) + int(fields[12])
+
+
+def busiest_replica(app: str, deployment: str, seconds: float = 1.0) -> dict[str, Any]:
+    """The replica of ``deployment`` that used the most CPU over the next ``seconds`` (the one
+    running the streams, when the others are idle)."""
+    replicas = replica_actors(app)[deployment]
+    before = [cpu_ticks(r["pid"]) for r in replicas]
+    time.sleep(seconds)
+    used = [cpu_ticks(r["pid"]) - b for r, b in zip(replicas, before, strict=True)]
+    return replicas[used.index(max(used))]
+
+
 def rss_bytes(pid: int) -> int:
     """Resident set size of a process, from /proc (0 when it is gone)."""
     try:

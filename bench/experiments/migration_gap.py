@@ -82,18 +82,11 @@ def egresses(app_name: str) -> dict[str, int]:
     return {a["name"].rsplit("#", 1)[-1]: a["pid"] for a in replica_actors(app_name).get("Egress", [])}
 
 
-def _cpu_ticks(pid: int) -> int:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])  # utime + stime
-
-
 def busy_egress(app_name: str) -> str:
     """The Egress replica running the stream: the one that used CPU over the last second."""
-    pids = egresses(app_name)
-    before = {name: _cpu_ticks(pid) for name, pid in pids.items()}
-    time.sleep(1.0)
-    used = {name: _cpu_ticks(pid) - before[name] for name, pid in pids.items()}
-    return max(used, key=used.__getitem__)
+    from tests.fault_harness import busiest_replica
+
+    return busiest_replica(app_name, "Egress")["name"].rsplit("#", 1)[-1]
 
 
 def busy_engine(url: str) -> str:

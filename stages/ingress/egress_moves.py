@@ -86,7 +86,8 @@ class EgressMoves:
         try:
             item = await self.call.__anext__()
         except Exception as exc:
-            if (not isinstance(exc, EgressLostError) or self.moves >= self.max_moves
+            # The channel's own loss, or Ray's error for the replica (whichever the reader saw first).
+            if (not _lost(exc) or self.moves >= self.max_moves
                     or not [r for r in self.replicas() if r != self.egress_replica]):
                 raise
             return await self._move(exc)
@@ -103,7 +104,7 @@ class EgressMoves:
         return StreamCarry([list(t) for t in self._tokens], sorted(self._started), dict(self._finished),
                            self._next_event, self.prompt_tokens)
 
-    async def _move(self, lost: EgressLostError) -> EngineMoved:
+    async def _move(self, lost: Exception) -> EngineMoved:
         """Send the job, with :meth:`carry`, to another Egress replica; raises ``lost`` when none
         accepts it in time."""
         self.call.cancel()  # in case that replica still runs: it ends the job and its engine request

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
-from tests.fault_harness import replica_actors
+from tests.fault_harness import busiest_replica, replica_actors
 from tests.sse_events import Events
 
 pytestmark = pytest.mark.serve
@@ -105,8 +105,7 @@ def test_greedy_streams_move_off_a_killed_egress_without_a_seam(app: Any) -> Non
         deadline = time.monotonic() + 60
         while len(started) < STREAMS and time.monotonic() < deadline:
             time.sleep(0.05)
-        victim = replica_actors(app.name)["Egress"][0]
-        os.kill(victim["pid"], signal.SIGKILL)
+        os.kill(busiest_replica(app.name, "Egress", 0.5)["pid"], signal.SIGKILL)
         runs = [f.result(timeout=180) for f in futures]
     for run in runs:
         _check(run, clean)
