@@ -27,6 +27,7 @@ __all__ = [
     "PayloadTooLargeError",
     "QueueFullError",
     "EngineUnavailableError",
+    "EgressLostError",
     "RequestTimeoutError",
     "InternalServerError",
     "RequestCancelledError",
@@ -212,6 +213,11 @@ class EngineUnavailableError(ServeError):
     status_code = 503
     error_type = "service_unavailable"
     default_message = "The inference engine is not available."
+
+
+class EgressLostError(EngineUnavailableError):
+    """503: the Egress replica running a request was lost before the request finished (an Ingress
+    moves the stream to another one where it can: :mod:`stages.ingress.egress_moves`)."""
 
 
 class RequestTimeoutError(ServeError):

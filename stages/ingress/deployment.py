@@ -43,6 +43,7 @@ from stages.api.requests import (
 from stages.config import AppConfig
 from stages.directory.client import directory_client
 from stages.errors import (
+    EgressLostError,
     EngineUnavailableError,
     InvalidRequestError,
     MethodNotAllowedError,
@@ -53,7 +54,7 @@ from stages.errors import (
 )
 from stages.heap import start_trimmer
 from stages.ingress.auth import ApiKeys, AuthMiddleware, request_key_id
-from stages.ingress.egress_moves import EgressLostError, EgressMoves
+from stages.ingress.egress_moves import EgressMoves
 from stages.ingress.http_errors import error_response, to_serve_error
 from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome
 from stages.ingress.prep import Prep

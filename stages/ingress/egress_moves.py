@@ -36,7 +36,7 @@ from typing import Any
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from stages.errors import EngineUnavailableError, unwrap_error
+from stages.errors import EgressLostError, unwrap_error
 from stages.transport.messages import EngineMoved, GenerationJob, StreamCarry, StreamFrame, StreamStart
 
 #: Seconds a moved job may wait for another Egress replica to accept it (Serve may still route to
@@ -44,10 +44,6 @@ from stages.transport.messages import EngineMoved, GenerationJob, StreamCarry, S
 MOVE_TIMEOUT_S = 10.0
 #: Seconds between two tries.
 RETRY_S = 0.2
-
-
-class EgressLostError(EngineUnavailableError):
-    """The Egress replica running a request was lost before the request finished."""
 
 
 def _lost(exc: BaseException) -> bool:

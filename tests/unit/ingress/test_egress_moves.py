@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorUnavailableError, RayActorError
 
-from stages.ingress.egress_moves import EgressLostError, EgressMoves
+from stages.errors import EgressLostError
+from stages.ingress.egress_moves import EgressMoves
 from stages.transport.messages import (
     EngineMoved,
     EngineRequest,
@@ -84,8 +85,8 @@ async def drain(moves: EgressMoves) -> list[Any]:
             return out
 
 
-@pytest.mark.parametrize("lost", [EgressLostError("The Egress replica g1 was lost"), ActorUnavailableError("gone", None)],
-                         ids=["channel_lost", "ray_error"])
+@pytest.mark.parametrize("lost", [EgressLostError("The Egress replica g1 was lost"),
+                                  ActorUnavailableError("gone", None)], ids=["channel_lost", "ray_error"])
 def test_a_lost_egress_hands_the_job_on_with_what_the_client_received(lost: BaseException) -> None:
     first = FakeCall([frame(0, 0, []), frame(0, 1, [5, 6]), frame(1, 2, [7]), frame(0, 3, [8], "stop"),
                       frame(1, 4, [9, 10]), lost])
