@@ -10,7 +10,8 @@
 # sides never overlap: run nothing else meanwhile, on two cores the comparison is only as good as
 # the quiet. REPEATS (3) and LEVELS (1,8,32) pass through; ORDER=reverse serves AFTER first.
 # BEFORE_CONFIG / AFTER_CONFIG (a path) replace that side's serve_config.yaml (e.g. one with
-# `cpu_isa: avx2`); PEER_BIN picks the llama-server binary (e.g. the AVX2-only build).
+# `cpu_isa: avx2`); PEER_BIN picks the llama-server binary (e.g. the AVX2-only build). PEER=none
+# measures this server alone (`python -m bench load` into OUT/load_<label>/), where no peer is built.
 set -euo pipefail
 out=$(realpath -m "$1"); before=$2; after=$3
 repo=$(git rev-parse --show-toplevel); py=$repo/.venv/bin/python
@@ -34,8 +35,13 @@ serve_one() {  # label ref
     kill -0 "$pid" 2>/dev/null || { echo "serve ($label) died: $out/serve_$label.log" >&2; exit 1; }
     sleep 1
   done
-  "$py" -m bench compare --url http://127.0.0.1:8000 --repeats "$repeats" --levels "$levels" \
-    ${PEER_BIN:+--peer-bin "$PEER_BIN"} --no-progress --out "$out/compare_$label"
+  if [[ ${PEER:-} == none ]]; then
+    "$py" -m bench load --url http://127.0.0.1:8000 --repeats "$repeats" --levels "$levels" \
+      --no-progress --out "$out/load_$label"
+  else
+    "$py" -m bench compare --url http://127.0.0.1:8000 --repeats "$repeats" --levels "$levels" \
+      ${PEER_BIN:+--peer-bin "$PEER_BIN"} --no-progress --out "$out/compare_$label"
+  fi
   kill -INT "$pid"
   for _ in $(seq 15); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
   kill -KILL "$pid" 2>/dev/null || true
@@ -49,4 +55,5 @@ if [[ ${ORDER:-} == reverse ]]; then
 else
   serve_one before "$before"; serve_one after "$after"
 fi
-echo "results: $out/compare_before/compare.md $out/compare_after/compare.md"
+kind=compare; [[ ${PEER:-} == none ]] && kind=load
+echo "results: $out/${kind}_before/$kind.md $out/${kind}_after/$kind.md"
