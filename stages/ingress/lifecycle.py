@@ -208,10 +208,13 @@ class Lifecycle:
 
     def moved(self, live: LiveRequest, moved: EngineMoved) -> None:
         """The request moved to another engine replica (its first was lost): a cancel by id and
-        the liveness check follow it there."""
+        the liveness check follow it there. A cancel that came during the move went to the lost
+        replica: it is sent again, to the new one."""
         live.engine_replica = moved.engine_replica
         live.engine_ids = list(moved.engine_request_ids)
         live.span.add_event("engine_moved", {"lifecycle.engine_replica": moved.engine_replica})
+        if live.cancel_requested:
+            self._send_abort(live)
 
     def close(self, live: LiveRequest, outcome: Outcome | None = None, summary: Any = None,
               timings: dict[str, float] | None = None) -> bool:

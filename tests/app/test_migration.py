@@ -120,6 +120,32 @@ def test_greedy_streams_move_off_a_killed_egress_without_a_seam(app: Any) -> Non
     app.wait_engines_idle(2, 180)
 
 
+@pytest.mark.parametrize("stage", ["Engine", "Egress"])
+def test_a_moved_stream_is_still_cancelled_by_id(app: Any, stage: str) -> None:
+    """After a move off either stage, a cancel by the response id reaches where the stream runs
+    now: it ends with ``finish_reason: abort``, its usage, and no error event."""
+    app.wait_engines_idle(2, 180)
+    body = _body("Tell a long story about a lighthouse keeper.", max_tokens=400)
+    with httpx.Client(timeout=180) as client, client.stream("POST", app.url + CHAT, json=body) as resp:
+        events = Events().read(resp, stop=3)
+        if stage == "Engine":
+            _kill_busiest_engine(app)
+        else:
+            os.kill(busiest_replica(app.name, "Egress", 0.5)["pid"], signal.SIGKILL)
+        events.read(resp, stop=5)  # tokens from where it runs now
+        answer = client.post(f"{app.url}/v1/requests/{events.response_id}/cancel")
+        assert answer.status_code == 200, answer.text
+        events.read(resp)
+    assert all('"error"' not in d for _, d in events.events), events.events[-3:]
+    assert events.finish_reason() == "abort" and events.usage()["completion_tokens"] < 400
+    assert events.ids() == list(range(len(events.events)))
+    deadline = time.monotonic() + 90
+    while len(replica_actors(app.name).get(stage, [])) < 2:  # others share this app
+        assert time.monotonic() < deadline, f"Serve never replaced the {stage} replica"
+        time.sleep(0.5)
+    app.wait_engines_idle(2, 180)
+
+
 def _metric(app: Any, name: str) -> float:
     text = httpx.get(app.url + "/metrics", timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))

@@ -18,6 +18,7 @@ from stages.ingress.lifecycle import Lifecycle, LiveRequest, Outcome, mint_reque
 from stages.ingress.sse import relay, sse_response
 from stages.transport.messages import (
     AbortRequest,
+    EngineMoved,
     EngineRequest,
     GenerationJob,
     SamplingParams,
@@ -335,6 +336,30 @@ def test_cancel_before_the_engine_has_it_is_applied_when_it_starts():
 
     aborts = asyncio.run(main())
     assert len(aborts) == 1 and aborts[0].replica == "engine-7" and len(aborts[0].request_ids) == 2
+
+
+def test_a_cancel_during_a_move_is_sent_again_to_where_the_request_went():
+    """The abort of a cancel that came while the request was moving went to the lost replica;
+    when the move is known, it goes to the new one, under the ids the request has there."""
+
+    async def main() -> list[AbortRequest]:
+        aborts: list[AbortRequest] = []
+
+        async def abort(req: AbortRequest) -> None:
+            aborts.append(req)
+
+        lc = Lifecycle("a", abort=abort)
+        live = lc.open("chat", FakeSpan())
+        lc.started(live, StreamStart("engine-1", [live.request_id], 3))
+        assert lc.cancel_local(live.request_id)
+        await asyncio.sleep(0)
+        lc.moved(live, EngineMoved("engine-2", [f"{live.request_id}.1"]))
+        await asyncio.sleep(0)
+        return aborts
+
+    aborts = asyncio.run(main())
+    assert [(a.replica, a.request_ids) for a in aborts] == [("engine-1", [aborts[0].request_ids[0]]),
+                                                           ("engine-2", [aborts[0].request_ids[0] + ".1"])]
 
 
 def test_cancel_by_label_reaches_other_replicas_through_the_directory():
