@@ -67,7 +67,12 @@ class DirectoryDeployment:
         self.live.prune()
         return self.live.take_aborts(replica)
 
+    async def forwarded_aborts(self, member: str = "") -> dict[str, list[str]]:
+        self.live.prune()
+        return self.live.forwarded()
+
     async def num_forwarded_aborts(self, member: str = "") -> int:
+        self.live.prune()
         return self.live.num_forwarded()
 
     async def report_ingress(self, owner: str, metrics_text: str, member: str = "") -> None:

@@ -19,8 +19,10 @@ Design (built on Ray Serve itself: one small deployment, called through handles)
   only while that replica is among the router's candidates; a replica being scaled down is not,
   though it still runs its requests until they end. The replica that gets such an abort instead
   forwards it here (``forward_abort``), and the named replica takes it within one report interval:
-  an engine in the reply to its ``report``, an Egress replica by ``take_aborts``. Forwarded ids for
-  a replica that never asks (it died, and its requests with it) expire after ``abort_ttl_s``.
+  an engine in the reply to its ``report``, an Egress replica by ``take_aborts``. A replica that
+  stopped asking died, and its requests with it: the ids forwarded to it go once it has missed
+  its asks for a while (an engine: its report TTL; Egress: :data:`ASKER_TTL_S`), and ids for a
+  replica never seen asking expire after ``abort_ttl_s``.
 - **Kept streams.** A resumable stream whose client left is kept by its Egress replica for a grace
   period; that replica tells the directory (``keep``, which replaces the Ingress's entry, and
   ``unkeep`` when a client takes it again or it expires), so a reconnect on any Ingress replica
@@ -49,6 +51,8 @@ MISSED_REPORTS = 8
 MIN_REPORT_TTL_S = 3.0
 #: Seconds a forwarded abort waits for its replica to take it (beyond any drain's graceful timeout).
 ABORT_TTL_S = 300.0
+#: Seconds after its last ask that an Egress replica (it asks every second) counts as gone.
+ASKER_TTL_S = 10.0
 #: Forwarded ids kept per replica at most (oldest dropped): a bound, not a limit ever expected to bind.
 MAX_FORWARDED_PER_REPLICA = 4096
 
@@ -114,6 +118,8 @@ class LiveDirectory:
         self.abort_ttl_s = abort_ttl_s
         #: replica → {request id: monotonic time forwarded}: aborts that missed their replica.
         self._forwarded: dict[str, dict[str, float]] = {}
+        #: replica → (monotonic time it last asked for its forwarded aborts, seconds it counts after)
+        self._asked: dict[str, tuple[float, float]] = {}
         self._live = _Index()
         #: Detached resumable streams (owner: the Egress replica keeping their events), and when
         #: each entry goes if its replica does not remove it.
@@ -165,6 +171,9 @@ class LiveDirectory:
             del self._reports[replica]
         for rid in [rid for rid, until in self._kept_until.items() if now > until]:
             self.unkeep(rid)
+        for replica in [r for r, (at, ttl) in self._asked.items() if now - at > ttl]:
+            del self._asked[replica]  # it stopped asking: it died, its requests with it
+            self._forwarded.pop(replica, None)
         for replica, ids in list(self._forwarded.items()):
             for rid in [rid for rid, at in ids.items() if now - at > self.abort_ttl_s]:
                 del ids[rid]
@@ -241,9 +250,15 @@ class LiveDirectory:
         while len(ids) > MAX_FORWARDED_PER_REPLICA:
             del ids[next(iter(ids))]
 
-    def take_aborts(self, replica: str) -> list[str]:
-        """The ids forwarded to ``replica`` since it last asked (each is handed out once)."""
+    def take_aborts(self, replica: str, ttl_s: float = ASKER_TTL_S) -> list[str]:
+        """The ids forwarded to ``replica`` since it last asked (each is handed out once).
+        ``ttl_s``: how long after this ask it still counts as alive."""
+        self._asked[replica] = (time.monotonic(), ttl_s)
         return list(self._forwarded.pop(replica, {}))
+
+    def forwarded(self) -> dict[str, list[str]]:
+        """The ids forwarded and not yet taken, by the replica they wait for (tests, operators)."""
+        return {replica: list(ids) for replica, ids in self._forwarded.items()}
 
     def num_forwarded(self) -> int:
         """Forwarded ids not yet taken (tests, leak checks)."""
@@ -253,7 +268,7 @@ class LiveDirectory:
     def report(self, report: EngineReport) -> list[str]:
         """Record an engine's report; the answer is the aborts forwarded to it."""
         self._reports[report.replica] = (report, time.monotonic())
-        return self.take_aborts(report.replica)
+        return self.take_aborts(report.replica, self._report_ttl(report))
 
     def engine_reports(self) -> list[EngineReport]:
         """The latest report of every engine replica still reporting."""

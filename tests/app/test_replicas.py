@@ -301,7 +301,9 @@ def test_an_abort_routed_past_its_draining_replica_is_forwarded_and_taken_there(
     # report or poll interval, which may end after the holder has gone idle.
     deadline = time.monotonic() + 15
     while app.call("Directory", "num_forwarded_aborts"):
-        assert time.monotonic() < deadline, "forwarded aborts were never taken"
+        assert time.monotonic() < deadline, (
+            f"forwarded aborts were never taken: {app.directory_each('forwarded_aborts')}; engines "
+            f"{[r.replica for r in _reports(app)]}, Egress {_egress_replicas(app)}")
         time.sleep(0.25)
 
 

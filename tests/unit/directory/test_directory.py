@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from stages.directory.directory import KEPT_MARGIN_S, LiveDirectory
+from stages.directory.directory import ASKER_TTL_S, KEPT_MARGIN_S, LiveDirectory
 from stages.transport.messages import AbortRequest, EngineReport, LiveEntry, ResumeLookup
 
 
@@ -67,6 +67,21 @@ def test_aborts_forwarded_for_a_draining_replica_reach_it_once_and_expire_if_it_
     assert d.num_forwarded() == 1
     d.prune(now=time.monotonic() + 31)
     assert d.num_forwarded() == 0, "a replica that never asks (it died, and its requests) lets them expire"
+
+
+def test_aborts_forwarded_to_a_replica_that_stopped_asking_go_with_it():
+    """An Egress replica asks every second; one that stopped asking died (an Ingress's cancel of a
+    stream that moved off it is forwarded to it): its ids go once it has missed its asks, while a
+    replica that keeps asking keeps getting them."""
+    d = LiveDirectory(abort_ttl_s=300.0)
+    assert d.take_aborts("egress-dead") == [] and d.take_aborts("egress-live") == []
+    d.forward_abort(AbortRequest("egress-dead", ["r1"]))
+    d.forward_abort(AbortRequest("egress-live", ["r2"]))
+    at, ttl = d._asked["egress-live"]
+    d._asked["egress-live"] = (at + ASKER_TTL_S, ttl)  # it asked again since
+    d.prune(now=time.monotonic() + ASKER_TTL_S + 1)
+    assert d.forwarded() == {"egress-live": ["r2"]}
+    assert d.take_aborts("egress-live") == ["r2"]
 
 
 # -- kept (resumable) streams ------------------------------------------------------------------------------
