@@ -104,6 +104,22 @@ def test_detach_keeps_the_stream_and_tells_the_directory_once() -> None:
     asyncio.run(main())
 
 
+def test_detached_entries_are_what_a_new_directory_replica_is_told_again() -> None:
+    """Only detached streams, each with the seconds left of its grace period."""
+    async def main() -> None:
+        store, _ = make_store()
+        opened(store, "r1", terms(grace_s=30.0))
+        opened(store, "r2", terms(grace_s=30.0))
+        assert store.detached_entries() == []
+        store.detach("r1")
+        await asyncio.sleep(0.05)
+        (entry, left), = store.detached_entries()
+        assert entry.request_id == "r1" and entry.owner == OWNER and 29.0 < left < 30.0
+        store.forget("r1")
+        store.forget("r2")
+    asyncio.run(main())
+
+
 # -- reconnects --------------------------------------------------------------------------------------------
 def test_take_returns_the_frames_after_the_last_event_then_the_summary() -> None:
     """take(after): frames with event_id > after, plus every non-frame item, in recorded order."""
