@@ -91,7 +91,8 @@ class DirectoryClient:
         """Send one change to every replica; each one's answer, or the exception it raised.
         Raises only when no replica took it."""
         members = await self.ready_members()
-        answers = await asyncio.gather(*(self.write(m, method, *args) for m in members), return_exceptions=True)
+        answers = await asyncio.gather(*(self.write(m, method, *args) for m in members),
+                                       return_exceptions=True)
         by_member = dict(zip(members, answers, strict=True))
         failed = {m: a for m, a in by_member.items() if isinstance(a, BaseException)}
         for member, exc in failed.items():
@@ -102,7 +103,8 @@ class DirectoryClient:
             raise next(iter(failed.values()))
         return by_member
 
-    async def sync(self, member: str, owner: str, added: list[LiveEntry], removed: list[str], full: bool) -> None:
+    async def sync(self, member: str, owner: str, added: list[LiveEntry], removed: list[str],
+                   full: bool) -> None:
         """An owner's batch of changes to one replica (the owner tracks which replica has what)."""
         await self.write(member, "sync", owner, added, removed, full)
 

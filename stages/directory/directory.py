@@ -14,7 +14,8 @@ Design (built on Ray Serve itself: one small deployment, called through handles)
   at most one call per request start and one per finish, usually far fewer under load).
 - **Cancels travel on a long poll.** Each owner keeps one ``watch`` call open on each Directory
   replica; a cancel for one of its requests completes that call, and the owner ends the stream
-  the normal way (an abort by id routed to the engine replica that runs it). So the cancel reaches the owner within one RPC.
+  the normal way (an abort by id routed to the engine replica that runs it). So the cancel
+  reaches the owner within one RPC.
 - **Aborts for draining replicas.** An abort or cancel by id is routed to the replica it names
   only while that replica is among the router's candidates; a replica being scaled down is not,
   though it still runs its requests until they end. The replica that gets such an abort instead
@@ -30,7 +31,8 @@ Design (built on Ray Serve itself: one small deployment, called through handles)
   own, a little after its grace period, in case its replica died.
 - **Self-healing.** An owner that has not watched for ``owner_ttl_s`` is dead; its entries go. A
   directory replica that is new (a restart, or one more) answers the next ``watch`` with ``resync``,
-  and the owner sends it its whole list again. Engine reports older than ``report_ttl_s`` count as gone.
+  and the owner sends it its whole list again. Engine reports older than ``report_ttl_s`` count
+  as gone.
 
 :class:`LiveDirectory` is the pure bookkeeping (unit-tested without Ray); the Serve adapter is
 :class:`stages.directory.deployment.DirectoryDeployment`.

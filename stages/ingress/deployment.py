@@ -305,7 +305,8 @@ class Ingress:
         live.span.add_event("egress_moved", {"lifecycle.egress_replica": start.egress_replica,
                                              "lifecycle.egress_moves": moves})
         self.metrics.observe_egress_move()
-        logger.info("request %s moved to Egress replica %s (move %d)", live.request_id, start.egress_replica, moves)
+        logger.info("request %s moved to Egress replica %s (move %d)", live.request_id, start.egress_replica,
+                    moves)
 
     def _id_headers(self, live: LiveRequest) -> dict[str, str]:
         return {SERVER_ID_HEADER: live.request_id}

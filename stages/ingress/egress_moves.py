@@ -21,9 +21,8 @@ state is a function of exactly that.
 Bounds: at most ``engine.max_migrations`` moves per request (the same budget as engine moves);
 only when another Egress replica is there (with none, the client gets the ``service_unavailable``
 error event as before, rather than wait for Serve to start one); the new replica must accept
-within :data:`MOVE_TIMEOUT_S`. A resumable stream goes on but is no
-longer resumable: its kept events died with their replica. A stream reconnected through the
-resume endpoint is not moved.
+within :data:`MOVE_TIMEOUT_S`. A resumable stream goes on but is no longer resumable: its kept
+events died with their replica. A stream reconnected through the resume endpoint is not moved.
 """
 
 from __future__ import annotations
@@ -46,10 +45,12 @@ MOVE_TIMEOUT_S = 10.0
 RETRY_S = 0.2
 
 
+#: What a call to an Egress replica fails with when that replica is gone.
+_LOST = (EgressLostError, RayActorError, ActorUnavailableError)
+
+
 def _lost(exc: BaseException) -> bool:
-    cause = unwrap_error(exc)
-    return isinstance(exc, EgressLostError | RayActorError | ActorUnavailableError) or isinstance(
-        cause, EgressLostError | RayActorError | ActorUnavailableError)
+    return isinstance(exc, _LOST) or isinstance(unwrap_error(exc), _LOST)
 
 
 class EgressMoves:
@@ -105,8 +106,9 @@ class EgressMoves:
         accepts it in time."""
         self.call.cancel()  # in case that replica still runs: it ends the job and its engine request
         self.moves += 1
-        request = dataclasses.replace(self.job.engine_request, request_id=f"{self.job.engine_request.request_id}."
-                                      f"{self.moves}", output_token_ids=[], finished_choices=[], route=None)
+        first = self.job.engine_request
+        request = dataclasses.replace(first, request_id=f"{first.request_id}.{self.moves}", output_token_ids=[],
+                                      finished_choices=[], route=None)
         job = dataclasses.replace(self.job, engine_request=request, carry=self.carry(), resume=None)
         deadline = time.monotonic() + MOVE_TIMEOUT_S
         while True:
@@ -139,4 +141,3 @@ class EgressMoves:
 
     def forget(self) -> None:
         self.call.forget()
-

@@ -61,6 +61,41 @@ def _kill_busiest_engine(app: Any) -> str:
     return victim
 
 
+def _kill(app: Any, stage: str) -> None:
+    """SIGKILL the replica of ``stage`` ("Engine" or "Egress") running the streams."""
+    if stage == "Engine":
+        _kill_busiest_engine(app)
+    else:
+        os.kill(busiest_replica(app.name, "Egress", 0.5)["pid"], signal.SIGKILL)
+
+
+def _run_killing(app: Any, body: dict[str, Any], streams: int, stage: str) -> list[Events]:
+    """``streams`` copies of ``body`` at once; once each has 3 content events, kill the ``stage``
+    replica running them; every stream, read to its end."""
+    started: list[int] = []
+    with concurrent.futures.ThreadPoolExecutor(streams) as pool:
+        futures = [pool.submit(_run, app.url, body, started) for _ in range(streams)]
+        deadline = time.monotonic() + 60
+        while len(started) < streams and time.monotonic() < deadline:
+            time.sleep(0.02)
+        _kill(app, stage)
+        return [f.result(timeout=180) for f in futures]
+
+
+def _wait_replaced(app: Any, stage: str) -> None:
+    """Until Serve has replaced the killed replica and both engines are idle (others share this app)."""
+    deadline = time.monotonic() + 90
+    while len(replica_actors(app.name).get(stage, [])) < 2:
+        assert time.monotonic() < deadline, f"Serve never replaced the {stage} replica"
+        time.sleep(0.5)
+    app.wait_engines_idle(2, 180)
+
+
+def _metric(app: Any, name: str) -> float:
+    text = httpx.get(app.url + "/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
 def _check(run: Events, clean: Events) -> None:
     assert run.events[-1][1] == "[DONE]" and all('"error"' not in d for _, d in run.events), run.events[-3:]
     assert run.ids() == list(range(len(run.events)))
@@ -75,49 +110,27 @@ def app(serve_app_replicas: Any) -> Any:
 
 
 def test_greedy_streams_move_off_a_killed_engine_without_a_seam(app: Any) -> None:
-    prompt = "Describe a walk along a river in spring."
-    clean = _run(app.url, _body(prompt))
-    started: list[int] = []
-    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        futures = [pool.submit(_run, app.url, _body(prompt), started) for _ in range(STREAMS)]
-        deadline = time.monotonic() + 60
-        while len(started) < STREAMS and time.monotonic() < deadline:
-            time.sleep(0.05)
-        _kill_busiest_engine(app)
-        runs = [f.result(timeout=180) for f in futures]
-    for run in runs:
+    body = _body("Describe a walk along a river in spring.")
+    clean = _run(app.url, body)
+    for run in _run_killing(app, body, STREAMS, "Engine"):
         _check(run, clean)
-    metrics = httpx.get(app.url + "/metrics", timeout=30).text
-    moved = sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("lifecycle:migrations_total"))
-    assert moved >= 1, "the Egress replicas counted no migration"
+    assert _metric(app, "lifecycle:migrations_total") >= 1, "the Egress replicas counted no migration"
 
 
 def test_greedy_streams_move_off_a_killed_egress_without_a_seam(app: Any) -> None:
     """SIGKILL an Egress replica under 8 streams: each stream it ran goes on through the other one
     (stages/ingress/egress_moves.py), rebuilt from what its client received."""
     app.wait_engines_idle(2, 180)
-    prompt = "Describe a harbour at dawn."
-    clean = _run(app.url, _body(prompt))
+    body = _body("Describe a harbour at dawn.")
+    clean = _run(app.url, body)
     before = _metric(app, "lifecycle:egress_moves_total")
-    started: list[int] = []
-    with concurrent.futures.ThreadPoolExecutor(STREAMS) as pool:
-        futures = [pool.submit(_run, app.url, _body(prompt), started) for _ in range(STREAMS)]
-        deadline = time.monotonic() + 60
-        while len(started) < STREAMS and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(busiest_replica(app.name, "Egress", 0.5)["pid"], signal.SIGKILL)
-        runs = [f.result(timeout=180) for f in futures]
-    for run in runs:
+    for run in _run_killing(app, body, STREAMS, "Egress"):
         _check(run, clean)
     deadline = time.monotonic() + 15  # each Ingress replica's counters reach /metrics within seconds
     while _metric(app, "lifecycle:egress_moves_total") <= before:
         assert time.monotonic() < deadline, "no stream was counted as moved"
         time.sleep(0.5)
-    deadline = time.monotonic() + 90
-    while len(replica_actors(app.name).get("Egress", [])) < 2:  # others share this app
-        assert time.monotonic() < deadline, "Serve never replaced the Egress replica"
-        time.sleep(0.5)
-    app.wait_engines_idle(2, 180)
+    _wait_replaced(app, "Egress")
 
 
 @pytest.mark.parametrize("stage", ["Engine", "Egress"])
@@ -128,10 +141,7 @@ def test_a_moved_stream_is_still_cancelled_by_id(app: Any, stage: str) -> None:
     body = _body("Tell a long story about a lighthouse keeper.", max_tokens=400)
     with httpx.Client(timeout=180) as client, client.stream("POST", app.url + CHAT, json=body) as resp:
         events = Events().read(resp, stop=3)
-        if stage == "Engine":
-            _kill_busiest_engine(app)
-        else:
-            os.kill(busiest_replica(app.name, "Egress", 0.5)["pid"], signal.SIGKILL)
+        _kill(app, stage)
         events.read(resp, stop=5)  # tokens from where it runs now
         answer = client.post(f"{app.url}/v1/requests/{events.response_id}/cancel")
         assert answer.status_code == 200, answer.text
@@ -139,30 +149,14 @@ def test_a_moved_stream_is_still_cancelled_by_id(app: Any, stage: str) -> None:
     assert all('"error"' not in d for _, d in events.events), events.events[-3:]
     assert events.finish_reason() == "abort" and events.usage()["completion_tokens"] < 400
     assert events.ids() == list(range(len(events.events)))
-    deadline = time.monotonic() + 90
-    while len(replica_actors(app.name).get(stage, [])) < 2:  # others share this app
-        assert time.monotonic() < deadline, f"Serve never replaced the {stage} replica"
-        time.sleep(0.5)
-    app.wait_engines_idle(2, 180)
-
-
-def _metric(app: Any, name: str) -> float:
-    text = httpx.get(app.url + "/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    _wait_replaced(app, stage)
 
 
 def test_a_seeded_stream_moved_draws_what_it_would_have(app: Any) -> None:
     app.wait_engines_idle(2, 180)
     body = _body("Invent a name for a new colour.", temperature=1.0, seed=1234)
     clean = _run(app.url, body)  # alone: batch 1
-    started: list[int] = []
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(_run, app.url, body, started)
-        deadline = time.monotonic() + 60
-        while not started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        _kill_busiest_engine(app)
-        run = future.result(timeout=180)
+    (run,) = _run_killing(app, body, 1, "Engine")
     _check(run, clean)
 
 
@@ -171,14 +165,7 @@ def test_a_seeded_request_with_two_choices_moved_draws_what_it_would_have(app: A
     app.wait_engines_idle(2, 180)
     body = _body("Name three rivers and a mountain.", temperature=1.0, seed=77, n=2)
     clean = _run(app.url, body)  # alone: batch 2, as the moved run's choices
-    started: list[int] = []
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        future = pool.submit(_run, app.url, body, started)
-        deadline = time.monotonic() + 60
-        while not started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        _kill_busiest_engine(app)
-        run = future.result(timeout=180)
+    (run,) = _run_killing(app, body, 1, "Engine")
     assert run.events[-1][1] == "[DONE]" and all('"error"' not in d for _, d in run.events), run.events[-3:]
     assert run.ids() == list(range(len(run.events)))
     assert run.usage()["completion_tokens"] == 2 * TOKENS
