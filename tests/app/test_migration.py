@@ -99,7 +99,7 @@ def _metric(app: Any, name: str) -> float:
 def _check(run: Events, clean: Events) -> None:
     assert run.events[-1][1] == "[DONE]" and all('"error"' not in d for _, d in run.events), run.events[-3:]
     assert run.ids() == list(range(len(run.events)))
-    assert run.usage()["completion_tokens"] == TOKENS and run.finish_reason() == "length"
+    assert run.usage()["completion_tokens"] == clean.usage()["completion_tokens"] and run.finish_reason() == "length"
     assert run.text() == clean.text()
 
 
@@ -121,7 +121,8 @@ def test_greedy_streams_move_off_a_killed_egress_without_a_seam(app: Any) -> Non
     """SIGKILL an Egress replica under 8 streams: each stream it ran goes on through the other one
     (stages/ingress/egress_moves.py), rebuilt from what its client received."""
     app.wait_engines_idle(2, 180)
-    body = _body("Describe a harbour at dawn.")
+    # Long enough that the streams still run when the busiest replica has been found and killed.
+    body = _body("Describe a harbour at dawn.", max_tokens=4 * TOKENS)
     clean = _run(app.url, body)
     before = _metric(app, "lifecycle:egress_moves_total")
     for run in _run_killing(app, body, STREAMS, "Egress"):
