@@ -38,23 +38,16 @@ def replica_actors(app: str) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def cpu_ticks(pid: int) -> int:
-    """User plus system CPU time of a process so far, in clock ticks (0 when it is gone)."""
-    try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[11]) + int(fields[12])
+def busiest_egress(app: str) -> dict[str, Any]:
+    """The Egress replica holding the most jobs, as each replica answers itself (Serve's
+    ``record_routing_stats`` on the replica actor: no router in between, so every replica is asked)."""
+    import ray
 
-
-def busiest_replica(app: str, deployment: str, seconds: float = 1.0) -> dict[str, Any]:
-    """The replica of ``deployment`` that used the most CPU over the next ``seconds`` (the one
-    running the streams, when the others are idle)."""
-    replicas = replica_actors(app)[deployment]
-    before = [cpu_ticks(r["pid"]) for r in replicas]
-    time.sleep(seconds)
-    used = [cpu_ticks(r["pid"]) - b for r, b in zip(replicas, before, strict=True)]
-    return replicas[used.index(max(used))]
+    replicas = replica_actors(app)["Egress"]
+    actors = [ray.get_actor(r["name"], namespace="serve") for r in replicas]
+    jobs = [s["admitted_jobs"] for s in ray.get([a.record_routing_stats.remote() for a in actors], timeout=30)]
+    assert max(jobs) > 0, f"no Egress replica holds a job: {jobs}"
+    return replicas[jobs.index(max(jobs))]
 
 
 def rss_bytes(pid: int) -> int:

@@ -83,10 +83,10 @@ def egresses(app_name: str) -> dict[str, int]:
 
 
 def busy_egress(app_name: str) -> str:
-    """The Egress replica running the stream: the one that used CPU over the last second."""
-    from tests.fault_harness import busiest_replica
+    """The Egress replica running the stream: the one holding the most jobs."""
+    from tests.fault_harness import busiest_egress
 
-    return busiest_replica(app_name, "Egress")["name"].rsplit("#", 1)[-1]
+    return busiest_egress(app_name)["name"].rsplit("#", 1)[-1]
 
 
 def busy_engine(url: str) -> str:

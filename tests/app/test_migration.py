@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL_NAME
-from tests.fault_harness import busiest_replica, replica_actors
+from tests.fault_harness import busiest_egress, replica_actors
 from tests.sse_events import Events
 
 pytestmark = pytest.mark.serve
@@ -66,7 +66,7 @@ def _kill(app: Any, stage: str) -> None:
     if stage == "Engine":
         _kill_busiest_engine(app)
     else:
-        os.kill(busiest_replica(app.name, "Egress", 0.5)["pid"], signal.SIGKILL)
+        os.kill(busiest_egress(app.name)["pid"], signal.SIGKILL)
 
 
 def _run_killing(app: Any, body: dict[str, Any], streams: int, stage: str) -> list[Events]:
