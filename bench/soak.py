@@ -15,7 +15,7 @@ no open engine streams, and no live-request entry left in the Directory (``num_l
 actor's RSS (from ``/proc``, PIDs from Ray's GCS actor table) flat after warm-up: the median of the
 last three samples within ``--rss-tolerance`` (10%) of the median of the first three after warm-up.
 
-The 20-second version runs in the tests (tests/app/test_soak.py) against the fault tests' app.
+The 12-second version runs in the tests (tests/app/test_soak.py) against the fault tests' app.
 """
 
 from __future__ import annotations

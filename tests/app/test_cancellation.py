@@ -188,7 +188,7 @@ class LongStreams:
 
 # -- tests -------------------------------------------------------------------------------------------------
 NUM_STREAMS = 8
-LONG_TOKENS = 300
+LONG_TOKENS = 160
 
 
 def test_closing_client_streams_frees_engine_slots_within_a_second(serve_app: Any) -> None:
