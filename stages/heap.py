@@ -8,7 +8,10 @@ autoscaler starts.
 
 The rule: a daemon thread per CPU-stage replica reads the process's RSS every ``period_s``; when it
 has grown by ``grow_bytes`` since the last trim, it calls glibc's ``malloc_trim(0)``, which returns
-the free pages of every arena. The check costs microseconds and the trim runs only after growth,
+the free pages of every arena. Growth below that threshold is trimmed once it has settled: the RSS
+is ``settle_bytes`` above the last trim's and did not move over one period (the replica is idle),
+so a run of mid-sized requests (grammar compiles after a huge prompt) cannot leave a replica tens
+of MB above its floor for good. The check costs microseconds and a trim runs only after growth,
 off the event loop (ctypes releases the GIL during the call). The engine's step process trims
 once, after loading the model (:func:`trim_now`: the float state dict and the repacking's
 temporaries, ~250 MB for the embedded model), and is then left alone: its tensors are freed and
@@ -31,6 +34,8 @@ logger = logging.getLogger("lifecycle.heap")
 PERIOD_S = 2.0
 #: RSS growth since the last trim that triggers the next one.
 GROW_BYTES = 16 * 2**20
+#: Smaller growth is trimmed once the RSS has stopped moving for a period.
+SETTLE_BYTES = 2 * 2**20
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _started = False
@@ -66,22 +71,28 @@ def rss_bytes() -> int:
 class HeapTrimmer:
     """Trims the heap when the RSS has grown by ``grow_bytes`` since the last trim."""
 
-    def __init__(self, trim=None, rss=rss_bytes, grow_bytes: int = GROW_BYTES) -> None:
+    def __init__(self, trim=None, rss=rss_bytes, grow_bytes: int = GROW_BYTES,
+                 settle_bytes: int = SETTLE_BYTES) -> None:
         self._trim = trim
         self._rss = rss
         self.grow_bytes = grow_bytes
+        self.settle_bytes = settle_bytes
         self.baseline = rss()
+        self._last = self.baseline
         self.trims = 0
 
     def check(self) -> bool:
         """One check; returns whether it trimmed."""
-        now = self._rss()
-        if self._trim is None or now - self.baseline < self.grow_bytes:
+        now, last = self._rss(), self._last
+        self._last = now
+        grown = now - self.baseline
+        settled = grown >= self.settle_bytes and now == last
+        if self._trim is None or (grown < self.grow_bytes and not settled):
             self.baseline = min(self.baseline, now)
             return False
         self._trim(0)
         self.trims += 1
-        self.baseline = self._rss()
+        self.baseline = self._last = self._rss()
         return True
 
 

@@ -1,4 +1,5 @@
-"""The heap trimmer: trims only after the RSS has grown by its threshold, and really returns memory."""
+"""The heap trimmer: trims after the RSS has grown by its threshold, or by less once it has
+settled, and really returns memory."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def test_trims_only_after_growth_and_measures_from_the_trimmed_size() -> None:
         rss[0] -= 30  # what the trim returned
         return 1
 
-    t = HeapTrimmer(trim, rss=lambda: rss[0], grow_bytes=50)
+    t = HeapTrimmer(trim, rss=lambda: rss[0], grow_bytes=50, settle_bytes=10**9)
     rss[0] = 140
     assert not t.check() and calls == []  # grew by 40 < 50
     rss[0] = 160
@@ -25,6 +26,27 @@ def test_trims_only_after_growth_and_measures_from_the_trimmed_size() -> None:
     assert not t.check() and t.baseline == 120
     rss[0] = 171
     assert t.check() and t.trims == 2
+
+
+def test_smaller_growth_is_trimmed_once_it_has_settled() -> None:
+    rss = [100]
+    calls: list[int] = []
+
+    def trim(pad: int) -> int:
+        calls.append(pad)
+        rss[0] = 101
+        return 1
+
+    t = HeapTrimmer(trim, rss=lambda: rss[0], grow_bytes=50, settle_bytes=5)
+    rss[0] = 110
+    assert not t.check()  # still moving (100 -> 110)
+    rss[0] = 120
+    assert not t.check()  # still moving
+    assert t.check() and calls == [0] and t.baseline == 101  # 120 twice: settled, 20 above the floor
+    assert not t.check() and calls == [0]  # trimmed: nothing more to do while it stays put
+    rss[0] = 104
+    assert not t.check()
+    assert not t.check() and calls == [0]  # settled, but within settle_bytes of the last trim
 
 
 def test_without_malloc_trim_it_never_trims() -> None:
