@@ -131,9 +131,16 @@ class ContextLengthExceededError(InvalidRequestError):
         max_model_len: int,
         *,
         param: str | None = "messages",
+        at_least: bool = False,
     ) -> None:
+        """``at_least``: ``prompt_tokens`` is a floor, counted without encoding the prompt."""
         what = "prompt" if param == "prompt" else "messages"
-        if max_tokens:
+        if at_least:
+            message = (
+                f"This model's maximum context length is {max_model_len} tokens. However, your "
+                f"{what} would be at least {prompt_tokens} tokens. Please reduce the length of the {what}."
+            )
+        elif max_tokens:
             message = (
                 f"This model's maximum context length is {max_model_len} tokens. However, you "
                 f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the {what}, "

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -193,6 +194,68 @@ def compile_chat_template(template: str) -> Any:
     return env.from_string(template)
 
 
+def _no_word_cache(backend: RustTokenizer) -> None:
+    """Turn off a BPE model's word cache (``tokenizers`` keeps 10,000 pre-tokenised words).
+
+    The rule: CPU-stage replicas must return to their floor after any request, and this cache
+    stops them. Its entries are allocated among a long prompt's encoding temporaries, so after a
+    1 MB prompt they pin ~40 MB of heap pages that ``malloc_trim`` cannot return, for the replica's
+    life. It buys no speed we can measure here: byte-level BPE words are short, and encoding 2k to
+    28k tokens of prose took the same time with and without it (BENCHMARKS.md, issue 33's third
+    round). Models without the hook (another model type, an older ``tokenizers``) keep theirs."""
+    resize = getattr(backend.model, "_resize_cache", None)
+    if resize is not None:
+        resize(0)
+
+
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte 0..255 in the vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
+
+
+@dataclass(frozen=True)
+class TokenFloor:
+    """A floor on a text's token count that costs no encoding, where one is exact.
+
+    Exact for a byte-level BPE without a normaliser and without fused unknowns (GPT-2, Llama 3,
+    SmolLM): every token stands for at most ``max_bytes`` bytes of the text (a vocabulary entry's
+    byte-level string has one character per byte; an added token is its own text), and every byte
+    becomes part of some token except the ``dropped`` bytes, whose byte-level character the
+    vocabulary lacks (BPE without an unknown token drops them). So a prompt that cannot fit the
+    context is refused without spending a second and a hundred MB encoding it."""
+
+    max_bytes: int
+    dropped: bytes
+
+    @classmethod
+    def of(cls, backend: RustTokenizer) -> TokenFloor | None:
+        """The floor of ``backend``; None for any other tokenizer (normalisers that may shrink
+        text, WordPiece or Unigram unknowns that swallow whole words)."""
+        spec = json.loads(backend.to_str())
+        model, pre = spec.get("model") or {}, spec.get("pre_tokenizer") or {}
+        byte_level = pre.get("type") == "ByteLevel" or any(
+            p.get("type") == "ByteLevel" for p in pre.get("pretokenizers") or [])
+        vocab = model.get("vocab") or {}
+        if model.get("type") != "BPE" or spec.get("normalizer") or model.get("fuse_unk") or not byte_level or not vocab:
+            return None
+        added = [len(t.content.encode()) for t in backend.get_added_tokens_decoder().values()]
+        dropped = bytes(b for b, ch in enumerate(_byte_level_chars()) if ch not in vocab)
+        return cls(max([len(tok) for tok in vocab] + added), dropped)
+
+    def __call__(self, text: str) -> int:
+        data = text.encode()
+        kept = len(data) - sum(data.count(b) for b in self.dropped)
+        return -(-kept // self.max_bytes)
+
+
 class Tokenizer:
     """Encode, decode and chat-template one model with ``tokenizers`` and jinja2 only (no transformers)."""
 
@@ -207,6 +270,12 @@ class Tokenizer:
         self.name_or_path = name_or_path
         self._special_ids = frozenset(i for i in (backend.token_to_id(t) for t in self.all_special_tokens)
                                       if i is not None)
+        self._floor = TokenFloor.of(backend)
+
+    def min_tokens(self, text: str) -> int:
+        """A floor on ``len(encode(text))`` that costs no encoding (0 where none is exact:
+        :class:`TokenFloor`)."""
+        return self._floor(text) if self._floor is not None else 0
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -240,6 +309,7 @@ class Tokenizer:
         if backend.post_processor is None:
             backend.post_processor = TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
         backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
+        _no_word_cache(backend)
         return cls(backend, special_tokens=named, extra_special_tokens=extra,
                    chat_template=_read_chat_template(path, config),
                    clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from stages.api.tool_calls import forcing_grammar, template_supports_tools
-from stages.errors import InvalidRequestError
+from stages.errors import ContextLengthExceededError, InvalidRequestError
 from stages.model_info import load_cpu_tokenizer, model_info
 from stages.preprocess.grammar import GrammarCompiler
 from stages.telemetry import get_tracer, span_from_context
@@ -63,10 +63,10 @@ class Preprocessor:
             t1 = time.perf_counter()
             timings["template"] = t1 - t0
             # The template already wrote every special token (BOS included when the model uses one).
-            token_ids = self.encode(prompt_text, add_special_tokens=False)
+            token_ids = self._encode_prompt(prompt_text, False, "messages")
         elif isinstance(req.prompt, str):
             prompt_text, t1 = req.prompt, t0
-            token_ids = self.encode(req.prompt, add_special_tokens=True)
+            token_ids = self._encode_prompt(req.prompt, True, "prompt")
         else:
             prompt_text, t1 = None, t0
             token_ids = list(req.prompt or [])
@@ -85,6 +85,14 @@ class Preprocessor:
         return EngineRequest(request_id=req.request_id, prompt_token_ids=token_ids, sampling_params=params,
                              trace_context=req.trace_context, prompt_text=prompt_text, n=req.n,
                              upstream_timings=timings)
+
+    def _encode_prompt(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """The prompt's ids; a prompt whose token floor alone exceeds the context is refused
+        before it is encoded (:meth:`stages.tokenizer.Tokenizer.min_tokens`)."""
+        floor = self.tokenizer.min_tokens(text) if hasattr(self.tokenizer, "min_tokens") else 0
+        if floor > self.max_model_len:
+            raise ContextLengthExceededError(floor, None, self.max_model_len, param=param, at_least=True)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
         """Each bad word as token sequences, alone and after a space (as vLLM bans them)."""

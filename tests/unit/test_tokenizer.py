@@ -21,10 +21,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from stages.model_info import (
     EMBEDDED_MODEL,
@@ -286,3 +289,56 @@ def test_cpu_stages_never_import_transformers() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_long_prompt_leaves_no_memory_pinned_after_a_trim() -> None:
+    """A Preprocess replica's heap goes back to its floor after a 1 MB prompt (encoded on a worker
+    thread, as the replica does): with ``tokenizers``' word cache on, ~40 MB stayed pinned."""
+    code = (
+        "import concurrent.futures, random, string\n"
+        "from stages.heap import rss_bytes, trim_now\n"
+        "from stages.preprocess.preprocessor import Preprocessor\n"
+        "from stages.model_info import EMBEDDED_MODEL\n"
+        "p = Preprocessor(EMBEDDED_MODEL)\n"
+        "rng = random.Random(0)\n"
+        "text = ' '.join(''.join(rng.choice(string.ascii_lowercase) for _ in range(rng.randrange(2, 10)))"
+        " for _ in range(180000))[:2**20]\n"
+        "trim_now(); before = rss_bytes()\n"
+        "with concurrent.futures.ThreadPoolExecutor(1) as pool:\n"
+        "    n = pool.submit(lambda: len(p.encode(text, add_special_tokens=False))).result()\n"
+        "trim_now(); print(n, (rss_bytes() - before) / 2**20)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    tokens, grown_mb = out.stdout.split()
+    assert int(tokens) > 500_000
+    assert float(grown_mb) < 12, f"{grown_mb} MB still held after the prompt and a trim"
+
+
+_TEXTS = ["", "a", "#" * 80, "#" * 81, "#" * 500, "\n" + " " * 80, "héllo wörld 你好 🙂", "<|im_start|>" * 5,
+          "hello world " * 50, "".join(chr(c) for c in range(32, 2000))]
+
+
+def test_the_token_floor_never_exceeds_the_encoding(pair: tuple[str, Any, Tokenizer]) -> None:
+    """``min_tokens`` is a floor for every text, including runs of the longest tokens, multi-byte
+    characters and special tokens; a byte-level BPE has one (the word-level model has none: 0)."""
+    name, _, ours = pair
+    floors = [ours.min_tokens(t) for t in _TEXTS]
+    for text, floor in zip(_TEXTS, floors, strict=True):
+        assert floor <= len(ours.encode(text, add_special_tokens=False)), (name, text[:40], floor)
+    if name == "wordlevel":
+        assert not any(floors)
+    else:
+        assert floors[_TEXTS.index("#" * 500)] >= 2, floors
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(min_size=1, max_size=400))
+def test_the_embedded_models_token_floor_holds_for_any_text(text: str) -> None:
+    ours = _smol()
+    assert ours.min_tokens(text) <= len(ours.encode(text, add_special_tokens=False))
+
+
+@lru_cache(maxsize=1)
+def _smol() -> Tokenizer:
+    return load_cpu_tokenizer(EMBEDDED_MODEL)

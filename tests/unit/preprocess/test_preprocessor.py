@@ -322,3 +322,27 @@ def test_detokenize_rejects_ids_outside_the_vocabulary(smol: Preprocessor, bad: 
         smol.detokenize([1, bad])
     assert info.value.param == "tokens"
     assert f"token id {bad}" in info.value.message
+
+
+def test_a_prompt_that_cannot_fit_is_refused_without_encoding_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its byte length over the longest token's already exceeds the context: a 400 saying "at
+    least", and the prompt is never encoded (a 1 MB one would take a second and 100 MB)."""
+    pre = Preprocessor(EMBEDDED_MODEL)
+    floor_len = pre.tokenizer._floor.max_bytes * pre.max_model_len
+    encoded: list[int] = []
+    real = pre.encode
+    monkeypatch.setattr(pre, "encode", lambda text, add_special_tokens: encoded.append(len(text)) or real(
+        text, add_special_tokens))
+    for field in ("messages", "prompt"):
+        text = "x" * (floor_len + 1)
+        req = _req(messages=_user(text)) if field == "messages" else _req(prompt=text)
+        with pytest.raises(ContextLengthExceededError) as info:
+            pre.process(req)
+        assert info.value.param == field and info.value.code == "context_length_exceeded"
+        assert f"your {field} would be at least" in info.value.message
+        assert info.value.prompt_tokens > pre.max_model_len
+    assert encoded == []
+    # Under the floor the prompt is encoded and counted exactly, as before.
+    with pytest.raises(ContextLengthExceededError) as info:
+        pre.process(_req(prompt="7" * (2 * pre.max_model_len)))  # one token per digit
+    assert "resulted in" in info.value.message and encoded
