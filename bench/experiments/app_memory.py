@@ -31,10 +31,12 @@ def label(p: psutil.Process) -> str | None:
     m = re.match(r"ray::ServeReplica:\w+:(\w+)", name) or re.search(r"ray::ServeReplica:\w+:(\w+)", cmd)
     if m:
         return f"replica {m.group(1)}"
-    if "ServeController" in cmd or "ServeController" in name:
-        return "Serve controller"
-    if "ProxyActor" in cmd or "ProxyActor" in name:
-        return "Serve proxy"
+    # Ray names its actors' and agents' processes ``ray::<Class>`` (truncated in ``name()``).
+    for key, what in (("ServeController", "Serve controller"), ("ProxyActor", "Serve proxy"),
+                      ("HAProxyManager", "Serve's HAProxy manager"), ("DashboardAgent", "dashboard agent"),
+                      ("RuntimeEnvAgent", "runtime env agent")):
+        if key in cmd or key in name:
+            return what
     for key in ("gcs_server", "raylet", "dashboard.py", "log_monitor", "monitor.py", "runtime_env/agent",
                 "dashboard/agent.py", "serve run", "haproxy"):
         if key in cmd:
