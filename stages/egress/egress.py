@@ -46,6 +46,7 @@ from stages.transport.messages import (
     EngineOutput,
     EngineRequest,
     GenerationJob,
+    PrefillNote,
     StreamFrame,
     StreamStart,
     StreamSummary,
@@ -96,6 +97,8 @@ class _Choice:
     token_ids: list[int] = field(default_factory=list)
     #: Moved to another engine replica: usage and TTFT parts stay those of the first one.
     moved: bool = False
+    #: Its prefill's usage and timings have ridden on a frame (:class:`PrefillNote`).
+    prefill_sent: bool = False
     #: Tokens consumed since this choice's last frame (the next frame carries them).
     unframed: list[int] = field(default_factory=list)
 
@@ -298,7 +301,8 @@ class Egress:
                             stopped.append(c.engine_id)
                     if chunk is not None:
                         frames.append(StreamFrame(sse_event(chunk, event_id), c.index, len(out.new_token_ids),
-                                                  c.finish_reason, event_id, c.unframed))
+                                                  c.finish_reason, event_id, c.unframed,
+                                                  self._prefill_note(c, stream)))
                         c.unframed = []
                         event_id += 1
                 busy += time.perf_counter() - t0
@@ -314,11 +318,22 @@ class Egress:
         summary = self._summary(choices, busy)
         summary.num_events = event_id
         summary.route = stream.request.route if stream.request is not None else None
+        if job.carry is not None and job.carry.prefill is not None:
+            summary.route = job.carry.prefill.route
         if not job.stream:
             t0 = time.perf_counter()
             summary.body = self._body(job, choices, summary)
             summary.egress_busy += time.perf_counter() - t0
         yield summary
+
+    @staticmethod
+    def _prefill_note(c: _Choice, stream: EngineStream) -> PrefillNote | None:
+        """The first choice's prefill, once, on its first frame that knows it."""
+        if c.index or c.prefill_sent or not c.engine_timings:
+            return None
+        c.prefill_sent = True
+        route = stream.request.route if stream.request is not None else None
+        return PrefillNote(c.num_cached_tokens, dict(c.engine_timings), route)
 
     def _rebuild(self, job: GenerationJob, choices: list[_Choice], open_choices: set[int]) -> EngineRequest:
         """A job moved here from a lost Egress replica (:class:`StreamCarry`): bring each choice to
@@ -332,6 +347,11 @@ class Egress:
             if c.index in carry.finished:
                 c.finish_reason = carry.finished[c.index]
                 open_choices.discard(c.index)
+        if carry.prefill is not None:  # the summary reports the prefill the client waited for
+            first = choices[0]
+            first.num_prompt_tokens, first.num_cached_tokens = carry.prompt_tokens, carry.prefill.cached_tokens
+            first.engine_timings = dict(carry.prefill.engine_timings)
+            first.moved = first.prefill_sent = True
         return dataclasses.replace(job.engine_request, output_token_ids=[list(t) for t in carry.token_ids],
                                    finished_choices=sorted(carry.finished), route=None)
 

@@ -3,8 +3,9 @@
 Rule: when the Egress replica running a job dies mid-stream (SIGKILL, OOM, its node gone), the
 Ingress replica holding the client's connection sends the job again to another Egress replica,
 with what the client has received so far (:class:`~stages.transport.messages.StreamCarry`): per
-choice, the tokens behind every event it got, which choices have ended, and the next event id.
-Every frame carries its tokens for this. The new Egress replica rebuilds its detokeniser,
+choice, the tokens behind every event it got, which choices have ended, the next event id, and
+the first prefill's usage and timings (so the summary, Server-Timing and the log report the
+prefill the client waited for). Every frame carries its tokens for this. The new Egress replica rebuilds its detokeniser,
 stop-string and tool-call state from those tokens, sends nothing they produced again, and asks an
 engine for the rest, each choice carrying its tokens, as a move off a lost engine does
 (:mod:`stages.egress.migration`). The engine aborts the old engine request by itself (its reader
@@ -36,7 +37,14 @@ from typing import Any
 from ray.exceptions import ActorUnavailableError, RayActorError
 
 from stages.errors import EgressLostError, unwrap_error
-from stages.transport.messages import EngineMoved, GenerationJob, StreamCarry, StreamFrame, StreamStart
+from stages.transport.messages import (
+    EngineMoved,
+    GenerationJob,
+    PrefillNote,
+    StreamCarry,
+    StreamFrame,
+    StreamStart,
+)
 
 #: Seconds a moved job may wait for another Egress replica to accept it (Serve may still route to
 #: the dead one for a moment: each such try fails fast and is retried).
@@ -75,6 +83,7 @@ class EgressMoves:
         self._started: set[int] = set()
         self._finished: dict[int, str] = {}
         self._next_event = 0
+        self._prefill: PrefillNote | None = None
 
     def __aiter__(self) -> EgressMoves:
         return self
@@ -94,12 +103,14 @@ class EgressMoves:
             if item.finish_reason is not None:
                 self._finished[item.index] = item.finish_reason
             self._next_event = item.event_id + 1
+            if item.prefill is not None:
+                self._prefill = item.prefill
         return item
 
     def carry(self) -> StreamCarry:
         """What the client has received so far."""
         return StreamCarry([list(t) for t in self._tokens], sorted(self._started), dict(self._finished),
-                           self._next_event, self.prompt_tokens)
+                           self._next_event, self.prompt_tokens, self._prefill)
 
     async def _move(self, lost: Exception) -> EngineMoved:
         """Send the job, with :meth:`carry`, to another Egress replica; raises ``lost`` when none

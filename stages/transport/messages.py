@@ -392,6 +392,18 @@ class GenerationJob:
 
 
 @dataclass
+class PrefillNote:
+    """What a stream's summary says of its first prefill (the first choice's): the engine's cached
+    tokens and timings (queue, prefill) and where the router sent it. It rides on the stream's
+    first frame that knows it, so a stream moved off a lost Egress replica still reports the
+    prefill its client waited for, not the new engine's recompute (:class:`StreamCarry`)."""
+
+    cached_tokens: int
+    engine_timings: dict[str, float]
+    route: RouteNote | None = None
+
+
+@dataclass
 class StreamCarry:
     """A stream's state as its client has received it, per choice: Egress rebuilds its
     detokeniser, stop-string and tool-call state from the tokens, sends nothing they produced
@@ -405,6 +417,8 @@ class StreamCarry:
     finished: dict[int, str]
     next_event_id: int
     prompt_tokens: int
+    #: The first prefill's usage and timings, when a frame brought them (:class:`PrefillNote`).
+    prefill: PrefillNote | None = None
 
 
 @dataclass
@@ -459,6 +473,8 @@ class StreamFrame:
     #: The tokens of that choice behind this event since its previous one (so a stream whose
     #: Egress replica is lost can be rebuilt on another: :class:`StreamCarry`).
     token_ids: list[int] = field(default_factory=list)
+    #: On the first frame after the first choice's prefill, that prefill (:class:`PrefillNote`).
+    prefill: PrefillNote | None = None
 
 
 @dataclass
@@ -498,7 +514,7 @@ class RoutedFrame:
         if isinstance(item, BodyPart):
             return len(item.data) + 64
         if isinstance(item, StreamFrame):
-            return 4 * len(item.data) + 128
+            return 4 * len(item.data) + (640 if item.prefill is not None else 128)
         return 512
 
 

@@ -21,6 +21,8 @@ from stages.transport.messages import (
     EngineOutput,
     EngineRequest,
     GenerationJob,
+    PrefillNote,
+    RouteNote,
     SamplingParams,
     StreamCarry,
     StreamFrame,
@@ -442,12 +444,14 @@ def _carry_of(frames: list[StreamFrame], n: int, prompt_tokens: int) -> StreamCa
     """What a client that received ``frames`` has: the carry an Ingress builds from them."""
     tokens: list[list[int]] = [[] for _ in range(n)]
     finished: dict[int, str] = {}
+    prefill = None
     for f in frames:
         tokens[f.index].extend(f.token_ids)
         if f.finish_reason is not None:
             finished[f.index] = f.finish_reason
+        prefill = f.prefill or prefill
     return StreamCarry(tokens, sorted({f.index for f in frames}), finished,
-                       frames[-1].event_id + 1 if frames else 0, prompt_tokens)
+                       frames[-1].event_id + 1 if frames else 0, prompt_tokens, prefill)
 
 
 @pytest.mark.parametrize("stop", [None, [" lazy"]], ids=["plain", "stop_string"])
@@ -489,3 +493,36 @@ def test_a_stream_whose_every_choice_had_ended_gets_only_its_summary(tok: Any) -
     assert later.opened == [] and [type(i) for i in rest] == [StreamStart, StreamSummary]
     assert rest[-1].completion_tokens == len(words) and rest[-1].finish_reasons == ["length"]
     assert rest[-1].prompt_tokens == whole[-1].prompt_tokens and rest[-1].num_events == len(frames)
+
+
+def test_a_rebuilt_stream_reports_the_prefill_its_client_waited_for(tok: Any) -> None:
+    """The first choice's first frame with a token carries its prefill (cached tokens, engine
+    timings, route), once; a stream rebuilt from a carry with it reports that prefill in its summary (what
+    Server-Timing, the log and usage show), not the new engine's recompute of the carried tokens."""
+    words = ids(tok, TEXT)
+    route = RouteNote("e1", "cache_aware", 0.5, 2)
+    engine = DyingEngine(words, dies_after=[None])
+
+    def routed(request: EngineRequest) -> EngineStream:
+        stream = engine.open(request)
+        stream.request = dataclasses.replace(request, route=route)  # as the router noted it
+        return stream
+
+    whole = asyncio.run(collect(Egress(tok, routed), job()))
+    frames = [i for i in whole if isinstance(i, StreamFrame)]
+    notes = [f.prefill for f in frames if f.prefill is not None]
+    assert notes == [PrefillNote(1, FIRST_TIMINGS, route)]
+    assert next(f for f in frames if f.token_ids).prefill is notes[0]  # with the first token
+    later = DyingEngine(words, dies_after=[None])
+    later.open(job().engine_request)  # its next stream is not the first: other usage and timings
+    rest = asyncio.run(collect(Egress(tok, later.open),
+                               dataclasses.replace(job(), carry=_carry_of(frames[:3], 1, whole[0].prompt_tokens))))
+    summary, clean = rest[-1], whole[-1]
+    assert (summary.prompt_tokens, summary.cached_tokens, summary.engine_timings, summary.route) == (
+        clean.prompt_tokens, 1, FIRST_TIMINGS, route)
+    assert not any(f.prefill for f in rest if isinstance(f, StreamFrame))
+    # Without a note (lost before the first token) the new engine's prefill is the one there is.
+    fresh = DyingEngine(words, dies_after=[None])
+    fresh.open(job().engine_request)
+    rest = asyncio.run(collect(Egress(tok, fresh.open), dataclasses.replace(job(), carry=_carry_of([], 1, 3))))
+    assert rest[-1].engine_timings["queue"] == 5.0 and rest[-1].cached_tokens == 0

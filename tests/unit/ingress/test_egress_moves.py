@@ -5,6 +5,7 @@ replica that is still routed to, and when it does not move."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from stages.transport.messages import (
     EngineMoved,
     EngineRequest,
     GenerationJob,
+    PrefillNote,
     SamplingParams,
     StreamFrame,
     StreamStart,
@@ -88,8 +90,9 @@ async def drain(moves: EgressMoves) -> list[Any]:
 @pytest.mark.parametrize("lost", [EgressLostError("The Egress replica g1 was lost"),
                                   ActorUnavailableError("gone", None)], ids=["channel_lost", "ray_error"])
 def test_a_lost_egress_hands_the_job_on_with_what_the_client_received(lost: BaseException) -> None:
-    first = FakeCall([frame(0, 0, []), frame(0, 1, [5, 6]), frame(1, 2, [7]), frame(0, 3, [8], "stop"),
-                      frame(1, 4, [9, 10]), lost])
+    prefill = PrefillNote(2, {"queue": 0.1, "prefill": 0.3})
+    first = FakeCall([frame(0, 0, []), dataclasses.replace(frame(0, 1, [5, 6]), prefill=prefill), frame(1, 2, [7]),
+                      frame(0, 3, [8], "stop"), frame(1, 4, [9, 10]), lost])
     gone = FakeCall([], start=RayActorError())  # Serve still routed to the dead replica once
     second = FakeCall([frame(1, 5, [11], "length"), StreamSummary(3, 6, 0, ["stop", "length"], {}, 0.0)],
                       start=start("g2", "e2", ["r1.1-0", "r1.1-1"]))
@@ -109,6 +112,7 @@ def test_a_lost_egress_hands_the_job_on_with_what_the_client_received(lost: Base
     assert carry is not None
     assert (carry.token_ids, carry.started, carry.finished, carry.next_event_id, carry.prompt_tokens) == (
         [[5, 6, 8], [7, 9, 10]], [0, 1], {0: "stop"}, 5, 3)
+    assert carry.prefill == prefill  # the summary reports the prefill the client waited for
 
 
 @pytest.mark.parametrize("case", ["no_moves_left", "not_a_loss", "no_other_replica", "nobody_accepts"])
