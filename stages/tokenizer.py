@@ -251,7 +251,7 @@ class TokenFloor:
         return cls(max([len(tok) for tok in vocab] + added), dropped)
 
     def __call__(self, text: str) -> int:
-        data = text.encode()
+        data = text.encode("utf-8", "surrogatepass")  # a lone surrogate is the encoder's error to report
         kept = len(data) - sum(data.count(b) for b in self.dropped)
         return -(-kept // self.max_bytes)
 
