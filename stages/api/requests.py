@@ -27,6 +27,7 @@ Every validation failure surfaces from :func:`parse_request` as an
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -316,16 +317,45 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
+#: A JSON escape of a UTF-16 surrogate (``\\uD800``-``\\uDFFF``): only these can put one in a string.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+    """The first string in ``value`` (keys included) that holds a lone surrogate, or None."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
 def parse_request(model_cls: type[_M], body: bytes) -> _M:
     """Parse and validate a JSON request body into ``model_cls``.
 
     Raises :class:`InvalidRequestError` (400) for malformed JSON, a body that is not a JSON
-    object, or any validation failure; ``param`` then names the first offending field.
+    object, a string that is not Unicode text (a lone surrogate escape such as ``"\\ud800"``: JSON
+    allows it, but no tokenizer can take it), or any validation failure; ``param`` then names the
+    first offending field.
     """
     try:
         data = json.loads(body, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidRequestError(f"The request body is not valid JSON: {e}") from None
+    # Only a body with a surrogate escape is walked (an escaped emoji is a valid pair).
+    if _SURROGATE_ESCAPE.search(body) and (bad := _lone_surrogate(data)) is not None:
+        at = next(i for i, ch in enumerate(bad) if 0xD800 <= ord(ch) <= 0xDFFF)
+        raise InvalidRequestError(f"The request body is not valid Unicode: a string holds the lone surrogate "
+                                  f"\\u{ord(bad[at]):04x} at character {at}.")
     if not isinstance(data, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
     try:

@@ -48,6 +48,8 @@ def _chat(**kw: Any) -> dict[str, Any]:
 
 CASES: dict[str, Case] = {
     "malformed json": Case(b'{"model": "x", ', message="not valid JSON"),
+    "lone surrogate": Case(b'{"model": "' + MODEL_NAME.encode() + rb'", "prompt": "a\ud800b", "max_tokens": 4}',
+                           message="lone surrogate"),
     "malformed json chat": Case(b"{not json", path="/v1/chat/completions", message="not valid JSON"),
     "json array body": Case(b'[{"model": "x"}]', message="JSON object"),
     "json string body": Case(b'"hello"', message="JSON object"),

@@ -141,6 +141,19 @@ def test_bad_bodies(model_cls: type, body: bytes, param: str | None) -> None:
     assert err.message and "Value error" not in err.message
 
 
+@pytest.mark.parametrize("where", ["prompt", "stop", "key"])
+def test_a_lone_surrogate_is_a_400_and_an_escaped_pair_is_text(where: str) -> None:
+    """JSON lets a string hold ``\\ud800`` alone; no tokenizer can take it (it was a 500 from
+    Preprocess), so it is refused where the body is parsed. A pair written as escapes is text."""
+    bodies = {"prompt": rb'{"model": "m", "prompt": "a\ud800b"}',
+              "stop": rb'{"model": "m", "prompt": "a", "stop": ["x", "\uDFFF"]}',
+              "key": rb'{"model": "m", "prompt": "a", "metadata": {"\udbff": "v"}}'}
+    with pytest.raises(InvalidRequestError, match="lone surrogate"):
+        parse_request(CompletionRequest, bodies[where])
+    assert parse_request(CompletionRequest, rb'{"model": "m", "prompt": "\ud83d\ude00 \\ud800"}').prompt == (
+        "\U0001f600 \\ud800")
+
+
 def test_malformed_json_message() -> None:
     with pytest.raises(InvalidRequestError, match="not valid JSON"):
         parse_request(ChatCompletionRequest, b"{nope")
