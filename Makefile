@@ -22,8 +22,9 @@ export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 0.2
 export RAY_SERVE_ENABLE_HA_PROXY := 1
 export RAY_SERVE_HAPROXY_NBTHREAD := 1
 # Ray 2.60 turns token auth on by default, and then a plain `serve status` / `serve shutdown` in the
-# user's shell is refused. The local server binds to loopback only, so it runs without a token;
-# `RAY_AUTH_MODE=token make serve` keeps it (then use `RAY_AUTH_MODE=token serve status`).
+# user's shell is refused, so it runs without a token. Its HTTP listeners are on loopback, but Ray's
+# gRPC servers listen on every interface: on an untrusted network `RAY_AUTH_MODE=token make serve`
+# keeps the token (then use `RAY_AUTH_MODE=token serve status`; docs/operations.md, "Running it").
 export RAY_AUTH_MODE ?= disabled
 
 .PHONY: setup serve test test-unit bench soak lint clean nginx peer k8s kubectl cxx
