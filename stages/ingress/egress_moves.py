@@ -5,11 +5,11 @@ Ingress replica holding the client's connection sends the job again to another E
 with what the client has received so far (:class:`~stages.transport.messages.StreamCarry`): per
 choice, the tokens behind every event it got, which choices have ended, the next event id, and
 the first prefill's usage and timings (so the summary, Server-Timing and the log report the
-prefill the client waited for). Every frame carries its tokens for this. The new Egress replica rebuilds its detokeniser,
-stop-string and tool-call state from those tokens, sends nothing they produced again, and asks an
-engine for the rest, each choice carrying its tokens, as a move off a lost engine does
-(:mod:`stages.egress.migration`). The engine aborts the old engine request by itself (its reader
-died) and the new one runs under a fresh engine id, so the two never collide.
+prefill the client waited for). Every frame carries its tokens for this. The new Egress replica
+rebuilds its detokeniser, stop-string and tool-call state from those tokens, sends nothing they
+produced again, and asks an engine for the rest, each choice carrying its tokens, as a move off a
+lost engine does (:mod:`stages.egress.migration`). The engine aborts the old engine request by
+itself (its reader died) and the new one runs under a fresh engine id, so the two never collide.
 
 So the client sees one stream: no error event, no event twice or missing, ids in order. Tokens
 generated but not yet received are generated again; with greedy or seeded sampling they are the
