@@ -321,16 +321,16 @@ def _reject_constant(name: str) -> Any:
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
-def _lone_surrogate(value: Any) -> str | None:
-    """The first string in ``value`` (keys included) that holds a lone surrogate, or None."""
+def _lone_surrogate(value: Any) -> UnicodeEncodeError | None:
+    """The error of the first string in ``value`` (keys included) that holds a lone surrogate."""
     stack = [value]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
             try:
                 item.encode("utf-8")
-            except UnicodeEncodeError:
-                return item
+            except UnicodeEncodeError as exc:
+                return exc
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
@@ -353,9 +353,8 @@ def parse_request(model_cls: type[_M], body: bytes) -> _M:
         raise InvalidRequestError(f"The request body is not valid JSON: {e}") from None
     # Only a body with a surrogate escape is walked (an escaped emoji is a valid pair).
     if _SURROGATE_ESCAPE.search(body) and (bad := _lone_surrogate(data)) is not None:
-        at = next(i for i, ch in enumerate(bad) if 0xD800 <= ord(ch) <= 0xDFFF)
         raise InvalidRequestError(f"The request body is not valid Unicode: a string holds the lone surrogate "
-                                  f"\\u{ord(bad[at]):04x} at character {at}.")
+                                  f"\\u{ord(bad.object[bad.start]):04x} at character {bad.start}.")
     if not isinstance(data, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
     try:

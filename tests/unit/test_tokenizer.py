@@ -286,9 +286,14 @@ def test_cpu_stages_never_import_transformers() -> None:
         "StructuredOutputSpec('json_object', ''))\n"
         "print(sorted(m for m in ('transformers', 'torch') if m in sys.modules))\n"
     )
+    assert _fresh_python(code).strip().splitlines()[-1] == "[]"
+
+
+def _fresh_python(code: str) -> str:
+    """``code``'s output, run in a fresh interpreter from the repository root (it must succeed)."""
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    return out.stdout
 
 
 def test_a_long_prompt_leaves_no_memory_pinned_after_a_trim() -> None:
@@ -308,9 +313,7 @@ def test_a_long_prompt_leaves_no_memory_pinned_after_a_trim() -> None:
         "    n = pool.submit(lambda: len(p.encode(text, add_special_tokens=False))).result()\n"
         "trim_now(); print(n, (rss_bytes() - before) / 2**20)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    tokens, grown_mb = out.stdout.split()
+    tokens, grown_mb = _fresh_python(code).split()
     assert int(tokens) > 500_000
     assert float(grown_mb) < 12, f"{grown_mb} MB still held after the prompt and a trim"
 
