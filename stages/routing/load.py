@@ -50,15 +50,17 @@ class ReplicaLoad:
                    seq=int(stats.get("seq", 0)))
 
 
-def start_cost(load: ReplicaLoad | None, *, prompt_tokens: int, n: int = 1, sent_since_report: int = 0,
-               ongoing: int | None = None) -> float:
+def start_cost(load: ReplicaLoad | None, *, prompt_tokens: int, n: int = 1, sent_since_report: int = 0) -> float:
     """Roughly how many requests must finish before this one can start on the replica.
 
-    0 means it joins the batch at the next step. Without a report yet, fall back to the number of
-    calls open on the replica (Serve's own queue-length probe), which is what Serve would use.
+    0 means it joins the batch at the next step. A replica that has not reported yet (it has just
+    started) counts as empty but for what this router sent it, each send weighing what a running
+    request does. Not Serve's count of calls open on it: for an engine those are mostly the
+    consumers' long-lived channels, so a new replica with one channel looked busier than a
+    reporting one with a whole batch, and a burst that came before its first report skipped it.
     """
     if load is None:
-        return float(ongoing or 0) + sent_since_report
+        return sent_since_report * BUSY_WEIGHT
     queued = load.num_waiting + sent_since_report
     if queued + n > load.max_waiting:
         return FULL

@@ -82,6 +82,20 @@ class PrefixViews:
         while view.recent and next(iter(view.recent.values())) <= view.summaries - 2:
             view.recent.popitem(last=False)
 
+    def expect(self, replica: str, block_size: int) -> None:
+        """Keep a view of ``replica`` before its first summary, so that what is sent it counts
+        (:meth:`sent`): a conversation started on a replica that has just come up must find its
+        way back there."""
+        if block_size <= 0:
+            return
+        view = self._views.setdefault(replica, ReplicaView())
+        if view.block_size <= 0:
+            view.block_size = block_size
+
+    def block_size(self) -> int:
+        """The block size of the replicas seen (0 before any)."""
+        return next((v.block_size for v in self._views.values() if v.block_size > 0), 0)
+
     def retain(self, replicas: Iterable[str]) -> None:
         """Forget replicas that are gone."""
         keep = set(replicas)

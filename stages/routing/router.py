@@ -87,27 +87,33 @@ def cache_home(request: EngineRequest, views: PrefixViews = VIEWS, min_lead: flo
 _spread = itertools.count()
 
 
-def refresh_views() -> None:
-    """Bring :data:`VIEWS` up to the engines' latest cache summaries, as Serve last received them.
-    The routers update it when they route, but a process that routed nothing for a while (another
+def refresh_views() -> int:
+    """Bring :data:`VIEWS` up to the engines' latest cache summaries, as Serve last received them,
+    and return how many engine replicas the routers know (0 before any has routed). The routers
+    update the views when they route, but a process that routed nothing for a while (another
     Egress replica took the last turn) would group requests by homes that are seconds old."""
     from stages.routing.live_routers import ROUTERS
 
+    known = 0
     for router in ROUTERS:
+        known = max(known, len(router.curr_replicas))
         for replica in router.curr_replicas.values():
             VIEWS.update(replica.replica_id.unique_id, (replica.routing_stats or {}).get("prefix"))
+    return known
 
 
 def placement_key(request: EngineRequest) -> Hashable:
     """Which requests may share one submit call (one call goes to one replica): those with the same
     cache home; the others are dealt round-robin into one group per engine replica, so a burst of
     new conversations is spread by load instead of landing on one replica in one call."""
-    refresh_views()
+    replicas = refresh_views()
     home = cache_home(request)
     if home is not None:
         return ("home", home)
+    # As many groups as replicas, counted from Serve's replica set: a replica that has not
+    # published a cache summary yet (just started) has no view but must get its share of a burst.
     # Before this process has routed anything it knows no replica count: assume more than one.
-    return ("spread", next(_spread) % (len(VIEWS.replicas()) or 2))
+    return ("spread", next(_spread) % (max(replicas, len(VIEWS.replicas())) or 2))
 
 
 class EngineRouter(RequestRouter):
@@ -154,8 +160,10 @@ class EngineRouter(RequestRouter):
         candidates = []
         for rid, r in by_id.items():
             load = ReplicaLoad.from_stats(r.routing_stats)
-            cost = start_cost(load, prompt_tokens=prompt_tokens, n=n, sent_since_report=self._sent_since(rid, load),
-                              ongoing=self.replica_queue_len_cache.get(r.replica_id))
+            cost = start_cost(load, prompt_tokens=prompt_tokens, n=n, sent_since_report=self._sent_since(rid, load))
+            # Engines of one deployment share a block size: a replica that has not reported yet
+            # gets the others'.
+            self.views.expect(rid, load.block_size if load is not None else self.views.block_size())
             cached[rid] = [self.views.cached_tokens(rid, req.prompt_token_ids, h) for req, h in zip(requests, hashes, strict=True)]
             candidates.append(Candidate(rid, cost, sum(cached[rid]), rid in avoid))
         order = rank(candidates, policy=self.policy, prompt_tokens=prompt_tokens,

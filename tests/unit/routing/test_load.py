@@ -37,8 +37,13 @@ def test_full_waiting_queue_ranks_last_and_sends_since_report_count():
                                                                                          prompt_tokens=10)
 
 
-def test_no_report_yet_falls_back_to_open_calls():
-    assert start_cost(None, prompt_tokens=10, ongoing=5) == 5
+def test_a_replica_without_a_report_counts_as_empty_but_for_what_was_sent_it():
+    """A new replica's first report comes up to a period after it starts: until then it must
+    compete like a replica with as many running requests as it was sent."""
+    assert start_cost(None, prompt_tokens=10) == 0
+    assert start_cost(None, prompt_tokens=10, sent_since_report=4) == pytest.approx(4 * BUSY_WEIGHT)
+    assert start_cost(None, prompt_tokens=10, sent_since_report=4) == pytest.approx(
+        start_cost(load(running=4), prompt_tokens=10), abs=1e-3)
 
 
 def test_sends_count_until_a_newer_report():

@@ -165,3 +165,43 @@ def test_other_policies_ignore_the_cache():
     turn2 = request("t2", TURN1 + [4] * 20)
     assert route(router, [a, b], AdmissionBatch([turn2])) == ["b", "a"]
     assert turn2.route.policy == "least_loaded" and turn2.route.alternative_cached_tokens == len(TURN1)
+
+
+def unreported_replica(uid: str) -> Any:
+    """A replica that has just started: Serve lists it, but it has sent no routing stats yet."""
+    return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats={})
+
+
+def test_a_replica_that_has_not_reported_yet_takes_its_share_of_a_burst():
+    """A burst that comes before a new replica's first report must not all go to the replica
+    that has reported: the new one counts as empty but for what it was sent."""
+    router = engine_router()
+    a, fresh = engine_replica("a", cached=[SYSTEM]), unreported_replica("fresh")
+    firsts = [route(router, [a, fresh], AdmissionBatch([request(f"c{i}", SYSTEM + [100 + i] * 20)]))[0]
+              for i in range(4)]
+    assert sorted(firsts) == ["a", "a", "fresh", "fresh"]
+
+
+def test_a_conversation_follows_its_history_to_a_replica_that_has_not_reported_yet():
+    router = engine_router()
+    a, fresh = engine_replica("a", running=3, cached=[SYSTEM]), unreported_replica("fresh")
+    first = request("t1", SYSTEM + list(range(2000, 2400)))
+    assert route(router, [a, fresh], AdmissionBatch([first]))[0] == "fresh"
+    later = request("t2", first.prompt_token_ids + list(range(6000, 6040)))
+    assert route(router, [a, fresh], AdmissionBatch([later]))[0] == "fresh"
+    assert later.route.expected_cached_tokens >= 400
+
+
+def test_a_burst_of_new_conversations_is_dealt_over_every_replica_serve_lists(monkeypatch):
+    """The admission key deals requests without a cache home into one group per replica, counted
+    from the routers' replica sets: a replica without a cache summary yet still gets a group."""
+    from stages.routing import live_routers
+
+    views = PrefixViews()
+    views.update("a", PrefixSummary.of(BS, 1, chained(SYSTEM)))
+    listed = SimpleNamespace(curr_replicas={"a": engine_replica("a", cached=[SYSTEM]),
+                                            "fresh": unreported_replica("fresh")})
+    monkeypatch.setattr(router_module, "VIEWS", views)
+    monkeypatch.setattr(live_routers, "ROUTERS", [listed])
+    keys = {router_module.placement_key(request(f"n{i}", SYSTEM + [300 + i] * 80)) for i in range(6)}
+    assert len(keys) == 2
