@@ -180,7 +180,8 @@ def engine_share(before: dict[tuple[str, str], float], after: dict[tuple[str, st
 def loads(a: argparse.Namespace) -> dict[str, list[str]]:
     common = ["--url", URL, "--repeats", "1", "--no-progress"]
     return {
-        "multiturn": ["multiturn", *common, "--conversations", str(a.conversations), "--turns", str(a.turns)],
+        "multiturn": ["multiturn", *common, "--conversations", str(a.conversations), "--turns", str(a.turns),
+                      "--user-tokens", str(a.user_tokens), "--max-tokens", str(a.reply_tokens)],
         "docs": ["docs", *common, "--documents", str(a.documents), "--questions", str(a.questions),
                  "--doc-tokens", str(a.doc_tokens)],
         "load": ["load", *common, "--levels", str(a.streams), "--prompt-tokens", "256", "--max-tokens", "64"],
@@ -195,6 +196,8 @@ def main() -> int:
     p.add_argument("--out", default="bench/results/routing")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--user-tokens", type=int, default=200, help="multiturn: tokens per user message")
+    p.add_argument("--reply-tokens", type=int, default=64, help="multiturn: tokens per reply")
     p.add_argument("--documents", type=int, default=3)
     p.add_argument("--questions", type=int, default=6)
     p.add_argument("--doc-tokens", type=int, default=1000)
