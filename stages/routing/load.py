@@ -6,8 +6,9 @@ at its next step, while one with 10 streams, a full batch and 6 waiting makes it
 to finish. So each engine replica reports its scheduler state through Serve's
 ``record_routing_stats``, and :func:`start_cost` turns that into the number of requests that stand
 between a new request and its first step, with a penalty when its prompt would not fit in the free
-KV blocks. Between two reports a router counts what it sent itself (:class:`SentSinceReport`), so
-a burst does not all land on the replica that looked emptiest at the last report.
+KV blocks. A router also counts what it sent itself until the reports count it
+(:class:`SentSinceReport`), so a burst does not all land on the replica that looked emptiest at the
+last report.
 
 Pure Python, no Ray: unit-tested directly.
 """
@@ -70,28 +71,33 @@ def start_cost(load: ReplicaLoad | None, *, prompt_tokens: int, n: int = 1, sent
     # preempts one): count it as a whole batch ahead.
     blocks_needed = math.ceil((prompt_tokens + 1) / max(load.block_size, 1))
     kv_penalty = load.max_num_seqs if blocks_needed > load.num_free_blocks else 0
-    # Each request in the batch or sent since the last report counts BUSY_WEIGHT; ties go to the
+    # Each request in the batch or sent and not yet reported counts BUSY_WEIGHT; ties go to the
     # replica with more free blocks.
     busy = (load.num_running + queued) * BUSY_WEIGHT
     return ahead + kv_penalty + busy - load.num_free_blocks * 1e-6
 
 
 class SentSinceReport:
-    """What this router sent each replica since that replica's last report. Reports are numbered:
-    a report with a new number already counts what was sent before it, so the count restarts."""
+    """What this router sent each replica that its reports may not count yet.
+
+    Reports are numbered. A send counts until the replica has published two reports after it: the
+    first of them may have been taken while the request was still on its way (the router sees a
+    new report and the send in either order), the second was taken a whole report period later.
+    Counting only until the first newer report let a burst's sends vanish from the count before
+    the replica had them, and the next requests of the burst went to it as if it were idle."""
 
     def __init__(self) -> None:
-        #: replica id → (number of the report last seen, requests sent since)
-        self._sent: dict[str, tuple[int, int]] = {}
+        #: replica id → the number of the report last seen (-1: none yet)
+        self._seen: dict[str, int] = {}
+        #: replica id → [(number of the report last seen when sent, requests sent)]
+        self._sent: dict[str, list[tuple[int, int]]] = {}
 
     def count(self, replica: str, report_seq: int | None) -> int:
-        """Requests sent since the report numbered ``report_seq`` (``None``: no report yet)."""
-        seq, sent = self._sent.get(replica, (-1, 0))
-        if report_seq is not None and report_seq != seq:
-            self._sent[replica] = (report_seq, 0)
-            return 0
-        return sent
+        """Requests sent that the report numbered ``report_seq`` (``None``: no report yet) may not count."""
+        if report_seq is not None and report_seq != self._seen.get(replica, -1):
+            self._seen[replica] = report_seq
+            self._sent[replica] = [(seq, n) for seq, n in self._sent.get(replica, []) if report_seq <= seq + 1]
+        return sum(n for _, n in self._sent.get(replica, []))
 
     def add(self, replica: str, n: int) -> None:
-        seq, sent = self._sent.get(replica, (-1, 0))
-        self._sent[replica] = (seq, sent + n)
+        self._sent.setdefault(replica, []).append((self._seen.get(replica, -1), n))

@@ -46,14 +46,19 @@ def test_a_replica_without_a_report_counts_as_empty_but_for_what_was_sent_it():
         start_cost(load(running=4), prompt_tokens=10), abs=1e-3)
 
 
-def test_sends_count_until_a_newer_report():
+def test_sends_count_until_two_newer_reports():
+    """The first report after a send may have been taken before the request arrived; the second
+    was taken a report period later and counts it."""
     sent = SentSinceReport()
     assert sent.count("a", None) == 0
     sent.add("a", 3)
     assert sent.count("a", None) == 3
-    assert sent.count("a", 1) == 0  # report 1 already counts them
+    assert sent.count("a", 0) == 3  # the first report: maybe taken before they arrived
     sent.add("a", 2)
-    assert sent.count("a", 1) == 2 and sent.count("a", 2) == 0
+    assert sent.count("a", 0) == 5
+    assert sent.count("a", 1) == 2  # the second report counts the first 3, maybe not the 2
+    assert sent.count("a", 2) == 0
+    assert sent.count("b", 7) == 0
 
 
 def test_among_replicas_that_start_it_at_once_the_smaller_batch_goes_first():

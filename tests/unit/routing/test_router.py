@@ -24,8 +24,8 @@ BS = 4
 
 def test_egress_router_places_job_batches_by_reported_jobs_plus_what_it_sent_since():
     """Batch-admitted jobs are not Serve requests once admitted: the router ranks Egress replicas
-    by the jobs they report, counts its own sends until the next report, and still sends a cancel
-    to the replica it names."""
+    by the jobs they report, counts its own sends until two reports later, and still sends a
+    cancel to the replica it names."""
     def replica(uid: str, jobs: int, seq: int) -> Any:
         return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid),
                                routing_stats={"admitted_jobs": jobs, "seq": seq})
@@ -41,7 +41,9 @@ def test_egress_router_places_job_batches_by_reported_jobs_plus_what_it_sent_sin
     assert choose([a, b], jobs) == ["b", "a"]
     EgressRouter.on_request_routed(router, SimpleNamespace(args=[jobs]), b.replica_id, None)
     assert choose([a, b], jobs) == ["a", "b"]  # 5 against 1 + 8 sent since b's report
-    b.routing_stats = {"admitted_jobs": 2, "seq": 2}  # a fresh report already counts them
+    b.routing_stats = {"admitted_jobs": 2, "seq": 2}  # the next report may predate them
+    assert choose([a, b], jobs) == ["a", "b"]
+    b.routing_stats = {"admitted_jobs": 2, "seq": 3}  # the one after counts them
     assert choose([a, b], jobs) == ["b", "a"]
     assert choose([a, b], AbortRequest("a", ["r1"])) == ["a"]
 
@@ -205,3 +207,14 @@ def test_a_burst_of_new_conversations_is_dealt_over_every_replica_serve_lists(mo
     monkeypatch.setattr(live_routers, "ROUTERS", [listed])
     keys = {router_module.placement_key(request(f"n{i}", SYSTEM + [300 + i] * 80)) for i in range(6)}
     assert len(keys) == 2
+
+
+def test_a_report_taken_before_a_burst_arrived_does_not_erase_it():
+    """Three first turns went to ``a``; ``a``'s next report, taken before they reached it, still
+    says idle. The next new conversation must go to ``b``, not to the replica that looks idle."""
+    router = engine_router()
+    a, b = engine_replica("a", cached=[SYSTEM]), engine_replica("b", running=2, cached=[SYSTEM])
+    burst = AdmissionBatch([request(f"c{i}", SYSTEM + [100 + i] * 40) for i in range(3)])
+    assert route(router, [a, b], burst)[0] == "a"
+    a.routing_stats = {**a.routing_stats, "seq": 2}  # taken before the burst reached it: idle
+    assert route(router, [a, b], AdmissionBatch([request("next", SYSTEM + [300] * 40)]))[0] == "b"
