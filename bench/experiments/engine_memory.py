@@ -11,6 +11,11 @@ copies (used for prompt chunks of ``dense_min_rows`` rows or more).
 
 ``--trade`` also times a 512- and a 2,048-token prompt and decode steps at 8 and 32 streams with
 the dense copies kept, then again after dropping them (every layer on the block kernel).
+
+``--isa avx2`` emulates an AVX2-only CPU on a bigger one: torch's own kernels at their AVX2 level
+(``ATEN_CPU_CAPABILITY``), oneDNN's GEMMs too (``ONEDNN_MAX_CPU_ISA``), our kernels built for
+Haswell (``engine.cpu_isa``), and no native bfloat16 (so the dense copies are float32, as
+:func:`stages.engine.runner.quant.dense_dtype` picks there). ``--dense-dtype`` overrides that pick.
 """
 
 from __future__ import annotations
@@ -58,10 +63,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trade", action="store_true", help="also time prompts and decode steps with and without the dense copies")
     p.add_argument("--json", default="")
+    p.add_argument("--isa", choices=["native", "avx2"], default="native", help="emulate an AVX2-only CPU")
+    p.add_argument("--dense-dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     args = p.parse_args()
-    out: dict[str, object] = {"python_mb": mb(sum(smaps().values()))}
+    if args.isa == "avx2":
+        os.environ.update(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2", DNNL_MAX_CPU_ISA="AVX2")
+    out: dict[str, object] = {"python_mb": mb(sum(smaps().values())), "isa": args.isa}
 
     import torch
+
+    from stages.engine.runner import quant
+
+    if args.isa == "avx2":
+        flags = frozenset(f for f in quant.cpu_flags() if not f.startswith(("avx512", "amx")))
+        quant.cpu_flags = lambda: flags
+    if args.dense_dtype != "auto":
+        quant.dense_dtype = lambda: getattr(torch, args.dense_dtype)
+    out["dense_dtype"] = str(quant.dense_dtype())
 
     s_torch = smaps()
     out["after_import_torch_mb"] = mb(sum(s_torch.values()))
@@ -72,7 +90,7 @@ def main() -> None:
     from stages.model_info import EMBEDDED_MODEL
     from stages.transport.messages import SamplingParams
 
-    engine = LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings())
+    engine = LLMEngine.from_config(EMBEDDED_MODEL, EngineSettings(cpu_isa="avx2" if args.isa == "avx2" else "auto"))
     trim_now()
     s_loaded = smaps()
     out["after_load_mb"] = mb(sum(s_loaded.values()))
