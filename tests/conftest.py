@@ -63,7 +63,8 @@ REPLICAS_OPTIONS: dict[str, dict[str, Any]] = {
 
 #: The fault tests' app (tests/app/test_faults.py): its replicas get killed, so it is nobody else's.
 #: Small and quick to restart; the test-only step fault hook on; a small per-stream buffer so a
-#: slow reader is cut quickly; Serve checks the engine's health every second.
+#: slow reader is cut quickly; Serve checks the engine's health every second, and an engine that
+#: failed it (a hung step) is stopped after 2 s instead of the default config's 30 s drain.
 FAULTS_ARGS: dict[str, Any] = {
     "model": "embedded:smollm2-135m-instruct",
     "engine": {"max_num_seqs": 16, "max_waiting_requests": 64, "max_num_batched_tokens": 256,
@@ -78,7 +79,8 @@ FAULTS_OPTIONS: dict[str, dict[str, Any]] = {
     "Ingress": {"ray_actor_options": {"num_cpus": 0.1}},
     "Preprocess": {"ray_actor_options": {"num_cpus": 0.1}},
     "Egress": {"ray_actor_options": {"num_cpus": 0.1}},
-    "Engine": {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1, "health_check_timeout_s": 10},
+    "Engine": {"ray_actor_options": {"num_cpus": 0.5}, "health_check_period_s": 1, "health_check_timeout_s": 10,
+               "graceful_shutdown_timeout_s": 2},
 }
 
 
