@@ -89,15 +89,20 @@ class SentSinceReport:
     def __init__(self) -> None:
         #: replica id → the number of the report last seen (-1: none yet)
         self._seen: dict[str, int] = {}
-        #: replica id → [(number of the report last seen when sent, requests sent)]
-        self._sent: dict[str, list[tuple[int, int]]] = {}
+        #: replica id → {number of the report last seen when sent: requests sent} (at most two keys
+        #: once the replica reports; one while it has not)
+        self._sent: dict[str, dict[int, int]] = {}
 
     def count(self, replica: str, report_seq: int | None) -> int:
         """Requests sent that the report numbered ``report_seq`` (``None``: no report yet) may not count."""
+        sent = self._sent.get(replica, {})
         if report_seq is not None and report_seq != self._seen.get(replica, -1):
             self._seen[replica] = report_seq
-            self._sent[replica] = [(seq, n) for seq, n in self._sent.get(replica, []) if report_seq <= seq + 1]
-        return sum(n for _, n in self._sent.get(replica, []))
+            for seq in [seq for seq in sent if report_seq > seq + 1]:
+                del sent[seq]
+        return sum(sent.values())
 
     def add(self, replica: str, n: int) -> None:
-        self._sent.setdefault(replica, []).append((self._seen.get(replica, -1), n))
+        sent = self._sent.setdefault(replica, {})
+        seq = self._seen.get(replica, -1)
+        sent[seq] = sent.get(seq, 0) + n

@@ -113,7 +113,7 @@ def placement_key(request: EngineRequest) -> Hashable:
     # As many groups as replicas, counted from Serve's replica set: a replica that has not
     # published a cache summary yet (just started) has no view but must get its share of a burst.
     # Before this process has routed anything it knows no replica count: assume more than one.
-    return ("spread", next(_spread) % (max(replicas, len(VIEWS.replicas())) or 2))
+    return ("spread", next(_spread) % (replicas or 2))
 
 
 class EngineRouter(RequestRouter):

@@ -8,11 +8,9 @@ of block ``b``). Knows nothing about queues or request lifecycles.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,36 +25,11 @@ from stages.engine.runner.flex_paged import FlexPagedAttention
 from stages.engine.runner.loader import quantized_weights, resolve_weights
 from stages.engine.runner.models.llama import ARCHITECTURES, AttentionMetadata, LlamaArgs, LlamaForCausalLM
 from stages.engine.runner.prefill_attention import chunk_mask, fastest_dtype
+from stages.engine.runner.uninitialised import no_param_init
 from stages.heap import trim_now
 from stages.transport.messages import TokenLogprob
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def no_param_init() -> Iterator[None]:
-    """Module constructors skip their random initialisation: the weights are loaded right after.
-
-    Not the meta device: there every op (an init's ``normal_``, RoPE's ``arange``) runs through
-    ``torch._refs``, whose first call imports ``torch._dynamo`` and sympy, a second of load time
-    and ~70 MB of RSS the engine process never needs otherwise."""
-    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
-    for name in _INIT_FUNCTIONS:
-        setattr(torch.nn.init, name, _keep)
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.init, name, fn)
-
-
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_",
-                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_",
-                   "orthogonal_", "sparse_")
-
-
-def _keep(tensor: torch.Tensor, *_: Any, **__: Any) -> torch.Tensor:
-    return tensor
 
 
 def resolve_device(device: str) -> str:

@@ -291,7 +291,7 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_and_init_buffers(self) -> None:
         """Tie the LM head to the embedding when configured and (re)compute RoPE frequencies
-        in float32 (needed after building on the meta device)."""
+        in float32 (the model's cast to its dtype may have rounded them)."""
         if self.args.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         device = self.embed_tokens.weight.device
