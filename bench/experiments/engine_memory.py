@@ -6,15 +6,16 @@
 In one process, at the default engine config: RSS after importing torch, after loading the engine
 (then trimmed, as the core process does), and after one 1,500-token request, with the growth of
 each step split by mapping (``/proc/self/smaps``: the heap, anonymous mappings, the KV pool's
-mapping, libraries). Then the model's tensor bytes, of which the quantised layers' dense bfloat16
-copies (used for prompt chunks of ``dense_min_rows`` rows or more).
+mapping, libraries). Then the model's tensor bytes, of which stored dense copies of quantised
+layers (only torch's kernels keep them; block-kernel layers unpack their weights for prompt chunks
+of ``dense_min_rows`` rows or more).
 
 ``--trade`` also times a 512- and a 2,048-token prompt and decode steps at 8 and 32 streams with
-the dense copies kept, then again after dropping them (every layer on the block kernel).
+the dense GEMMs, then again without them (every layer on the block kernel at every row count).
 
 ``--isa avx2`` emulates an AVX2-only CPU on a bigger one: torch's own kernels at their AVX2 level
 (``ATEN_CPU_CAPABILITY``), oneDNN's GEMMs too (``ONEDNN_MAX_CPU_ISA``), our kernels built for
-Haswell (``engine.cpu_isa``), and no native bfloat16 (so the dense copies are float32, as
+Haswell (``engine.cpu_isa``), and no native bfloat16 (so the dense weights are float32, as
 :func:`stages.engine.runner.quant.dense_dtype` picks there). ``--dense-dtype`` overrides that pick.
 """
 
@@ -99,8 +100,9 @@ def main() -> None:
     tensors = {t.data_ptr(): t.numel() * t.element_size()
                for _, t in [*model.named_buffers(), *model.named_parameters()]}
     out["model_tensors_mb"] = round(sum(tensors.values()) / 2**20, 1)
-    dense = [m for m in model.modules() if isinstance(m, QuantLinear) and m.dense is not None]
-    out["dense_copies_mb"] = round(sum(m.dense.numel() * m.dense.element_size() for m in dense) / 2**20, 1)
+    dense = [m for m in model.modules() if isinstance(m, QuantLinear) and m.has_dense]
+    out["dense_copies_mb"] = round(sum(m.dense.numel() * m.dense.element_size()
+                                       for m in dense if m.dense is not None) / 2**20, 1)
     out["dense_min_rows"] = getattr(model, "dense_min_rows", None)
 
     rng = random.Random(0)

@@ -66,7 +66,7 @@ def model_linears(rows: int) -> tuple[float, str]:
 
     with torch.inference_mode():
         took = best(chunk, 2.0)
-    path = "dense bfloat16 copies" if rows >= mods[0].dense_min_rows and mods[0].dense is not None else "block kernel"
+    path = f"dense {mods[0].dense_dtype} GEMM" if rows >= mods[0].dense_min_rows else "block kernel"
     return ops / took / 1e9, path
 
 

@@ -15,15 +15,20 @@ GGUF Q4_1 (blocks of 32, ``w = d * q + m``, ``q`` in 0..15) is exactly this int4
 ``m + 8 d`` to bfloat16 is the only change to the weights, and :meth:`GroupInt4.dequantize` returns
 the weights the kernel actually uses (the parity tests' reference holds exactly those).
 
-The int4 kernel is a memory-bound win at small batch and compute-bound at large batch (at 32 rows it
-costs about twice a bfloat16 GEMM on the dense weights). Each quantised layer therefore also keeps a
-dense copy of its *dequantised* weights for steps with more than ``dense_min_rows`` rows (prefill
-chunks, big decode batches); :func:`dense_dtype` picks bfloat16 where the CPU has native bfloat16
-dot products and float32 elsewhere.
+The quantised kernels are a memory-bound win at small batch and compute-bound at large batch (torch's
+int4 kernel at 32 rows costs about twice a bfloat16 GEMM on the dense weights). Steps with
+``dense_min_rows`` rows or more (prefill chunks, big decode batches) therefore run a dense GEMM on
+the *dequantised* weights, in the dtype :func:`dense_dtype` picks (bfloat16 where the CPU has native
+bfloat16 dot products, float32 elsewhere). Layers on the block kernel unpack their blocks into a
+per-thread scratch buffer just before that GEMM (``kernels/dequant.cpp``), so the process holds one
+layer's dense weights, not a copy of the model: a prompt chunk pays the unpacking (a few percent of
+its time) instead of the process holding twice the model's bytes. Layers on torch's kernels (where
+no compiler built ours) keep a dense copy: their packing cannot be unpacked cheaply.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -57,7 +62,7 @@ def has_fast_bf16() -> bool:
 
 
 def dense_dtype() -> torch.dtype:
-    """The dtype of a quantised layer's dense copy (used for many-row steps)."""
+    """The dtype of a quantised layer's dense weights (used for many-row steps)."""
     return torch.bfloat16 if has_fast_bf16() else torch.float32
 
 
@@ -227,11 +232,12 @@ class QuantLinear(nn.Module):
             self.register_buffer("scales", weight.scale.bfloat16())
         self.register_buffer("bias", bias.float() if bias is not None else None)
         self.dense_min_rows = dense_min_rows if keep_dense else 1 << 62
+        self.dense_dtype = dense_dtype()
         # The block kernel's buffers hold everything (reference_weight unpacks them); torch's int4
-        # packing is opaque, so those layers keep their source.
+        # packing is opaque, so those layers keep their source, and a dense copy when they may use one.
         self._source = None if self.kind in ("q4_1", "q8_0") else weight
-        dense = self.reference_weight.to(dense_dtype()) if keep_dense else None
-        self.register_buffer("dense", dense)
+        stored = keep_dense and self._block is None
+        self.register_buffer("dense", self.reference_weight.to(self.dense_dtype) if stored else None)
 
     @property
     def reference_weight(self) -> torch.Tensor:
@@ -262,18 +268,28 @@ class QuantLinear(nn.Module):
                                                               self.scales)
         return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales)
 
+    @property
+    def has_dense(self) -> bool:
+        """Whether steps of ``dense_min_rows`` rows or more run a dense GEMM."""
+        return self.dense_min_rows < 1 << 62
+
     def drop_dense(self) -> None:
-        """Always the quantised kernel; frees the dense copy."""
+        """Always the quantised kernel (frees a stored dense copy)."""
         self.dense = None
         self.dense_min_rows = 1 << 62
 
     def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` on the dense dequantised copy (no bias)."""
-        assert self.dense is not None
-        return F.linear(x.to(self.dense.dtype), self.dense)
+        """``x @ W.T`` on the dequantised weights (no bias): unpacked into this thread's scratch
+        buffer for the block kernel's layers, the stored copy for torch's."""
+        if self.dense is not None:
+            return F.linear(x.to(self.dense.dtype), self.dense)
+        assert self._block is not None, "dense_matmul on a layer without dense weights"
+        w = _scratch(self.out_features, self.in_features, self.dense_dtype)
+        self._block.unpack(self.qweight, self.scales, self.mins, w, torch.get_num_threads())
+        return F.linear(x.to(w.dtype), w)
 
     def weight_bytes(self, rows: int = 1) -> int:
-        """Bytes of weights a forward over ``rows`` rows reads."""
+        """Bytes of weights a forward over ``rows`` rows reads from memory."""
         if rows >= self.dense_min_rows and self.dense is not None:
             return self.dense.numel() * self.dense.element_size()
         extra = self.mins.numel() * 2 if getattr(self, "mins", None) is not None else 0
@@ -281,6 +297,19 @@ class QuantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}->{self.out_features}, {self.kind}, dense>={self.dense_min_rows} rows"
+
+
+_thread = threading.local()
+
+
+def _scratch(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's buffer for one layer's unpacked weights, ``[n, k]`` of ``dtype``: reused by
+    every layer (the GEMM that reads it returns before the next layer unpacks), grown to the
+    largest layer. Per thread, so two engines in one process never share it."""
+    buf = getattr(_thread, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < n * k:
+        buf = _thread.buf = torch.empty(n * k, dtype=dtype)
+    return buf[: n * k].view(n, k)
 
 
 class DenseLinear(nn.Module):
@@ -335,7 +364,7 @@ BLOCK_CALIBRATION_ROWS = (4, 16, 64, 128)
 
 def calibrate_dense_min_rows(layers: list[QuantLinear], rows: tuple[int, ...] = CALIBRATION_ROWS,
                              repeats: int = 5) -> int | None:
-    """The smallest row count in ``rows`` at which the dense copies of ``layers`` (together, as one
+    """The smallest row count in ``rows`` at which the dense GEMMs of ``layers`` (together, as one
     forward pass runs them) are at least as fast as the quantised kernel on this machine, with
     torch's current thread count; None when the quantised kernel wins at every size tried.
 
@@ -347,7 +376,7 @@ def calibrate_dense_min_rows(layers: list[QuantLinear], rows: tuple[int, ...] = 
     import statistics
     import time
 
-    layers = [m for m in layers if m.dense is not None]
+    layers = [m for m in layers if m.has_dense]
     if not layers:
         return None
 
@@ -364,12 +393,15 @@ def calibrate_dense_min_rows(layers: list[QuantLinear], rows: tuple[int, ...] = 
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    with torch.inference_mode():
-        for n in rows:
-            # Interleaved, so a burst of load on the machine hits both sides alike.
-            if cost("dense_matmul", n) <= cost("quant_matmul", n):
-                return n
-    return None
+    try:
+        with torch.inference_mode():
+            for n in rows:
+                # Interleaved, so a burst of load on the machine hits both sides alike.
+                if cost("dense_matmul", n) <= cost("quant_matmul", n):
+                    return n
+        return None
+    finally:
+        _thread.buf = None  # the loading thread's scratch; the step thread grows its own
 
 
 #: Output rows per tile of the block-quantised kernels (``kernels/quant_matmul.cpp``).

@@ -5,6 +5,7 @@ takes dense K/V, and FlexAttention's paged path needs ``torch.compile``), so wit
 decode step gathers every sequence's K/V into a padded copy per layer: at 32 streams and ~170
 tokens of context that is ~0.5 GB of copying per step. ``paged_attention.cpp`` reads the blocks
 in place instead. ``quant_matmul.cpp`` multiplies by the GGUF's own quantised blocks,
+``dequant.cpp`` unpacks one layer of those blocks to dense weights for a prompt chunk's GEMM,
 ``decode_layers.cpp`` runs a decode step's whole layer stack on those two in one call, and
 ``argmax.cpp`` is greedy decoding's argmax as one vector scan per row.
 
@@ -36,7 +37,8 @@ logger = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 #: The library's sources, compiled as one shared object.
-SOURCES = tuple(_DIR / name for name in ("paged_attention.cpp", "quant_matmul.cpp", "argmax.cpp", "decode_layers.cpp"))
+SOURCES = tuple(_DIR / name for name in ("paged_attention.cpp", "quant_matmul.cpp", "dequant.cpp", "argmax.cpp",
+                                              "decode_layers.cpp"))
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 _ABI_VERSION = 2
 _lock = threading.Lock()
@@ -163,6 +165,12 @@ class QuantMatmul:
         self._quant = lib.lifecycle_quantize_q8
         self._quant.argtypes = [ptr, i32, i64, ptr, ptr]
         self._quant.restype = None
+        self._unpack_q4 = lib.lifecycle_unpack_q4_1
+        self._unpack_q4.argtypes = [ptr, ptr, ptr, i64, i64, ptr, i32, i32]
+        self._unpack_q4.restype = None
+        self._unpack_q8 = lib.lifecycle_unpack_q8_0
+        self._unpack_q8.argtypes = [ptr, ptr, i64, i64, ptr, i32, i32]
+        self._unpack_q8.restype = None
         self.isa = int(lib.lifecycle_quant_isa())
 
     @property
@@ -186,6 +194,22 @@ class QuantMatmul:
         rows, k = x.shape
         out = torch.empty((rows, n), dtype=torch.float32)
         self._q8(x.data_ptr(), rows, k, wq.data_ptr(), wd.data_ptr(), n, out.data_ptr(), n, threads)
+        return out
+
+    def unpack(self, wq: Any, wd: Any, wm: Any | None, out: Any, threads: int) -> Any:
+        """The dense weights of Q4_1 (``wm`` given) or Q8_0 blocks in the tile layout into ``out``
+        ``[n, K]``, contiguous bfloat16 or float32 (see ``dequant.cpp``); returns ``out``."""
+        import torch
+
+        n, k = out.shape
+        if not out.is_contiguous() or out.dtype not in (torch.bfloat16, torch.float32) or \
+                wq.shape[1] * 32 != k or wq.shape[0] * 16 < n:
+            raise ValueError(f"unpack: out {tuple(out.shape)} {out.dtype} does not fit blocks {tuple(wq.shape)}")
+        bf16 = int(out.dtype == torch.bfloat16)
+        if wm is not None:
+            self._unpack_q4(wq.data_ptr(), wd.data_ptr(), wm.data_ptr(), n, k, out.data_ptr(), bf16, threads)
+        else:
+            self._unpack_q8(wq.data_ptr(), wd.data_ptr(), n, k, out.data_ptr(), bf16, threads)
         return out
 
     def quantize_activations(self, x: Any) -> tuple[Any, Any]:

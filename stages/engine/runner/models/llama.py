@@ -345,9 +345,9 @@ class LlamaForCausalLM(nn.Module):
         if isinstance(lm_head, torch.Tensor):  # a bfloat16 table: dense, no requantisation
             self.lm_head = DenseLinear(lm_head)
         elif lm_head is not None:
-            # A Q8_0 head on the block kernel keeps no dense copy: it sees one row per sequence that
-            # samples, and dense wins only from 64 rows (a full batch), by ~3 ms a step, for a copy
-            # of 54 MB (bfloat16) or 108 MB (float32).
+            # A Q8_0 head on the block kernel never runs dense: it sees one row per sequence that
+            # samples, and dense wins only from 64 rows (a full batch), by ~3 ms a step, for 54 MB
+            # (bfloat16) or 108 MB (float32) of dense weights, stored or unpacked.
             block_head = block_kernel is not None and isinstance(lm_head, BlockInt8)
             self.lm_head = QuantLinear(lm_head, None, dense_min_rows, keep_dense=not block_head,
                                        block_kernel=block_kernel)
@@ -360,10 +360,10 @@ class LlamaForCausalLM(nn.Module):
             self.calibrate_dense_min_rows()
 
     def calibrate_dense_min_rows(self) -> dict[str, int | None]:
-        """Measure, on this machine, where the quantised layers' dense copies start to beat their
-        quantised kernel: once for the decoder layers' linears and once for the LM head; set
-        ``dense_min_rows`` on all of them, and free the dense copies of a group whose kernel wins
-        at every size tried (None in the result). Returns the values found."""
+        """Measure, on this machine, where a dense GEMM on the dequantised weights starts to beat
+        the quantised kernel: once for the decoder layers' linears and once for the LM head; set
+        ``dense_min_rows`` on all of them, and keep a group whose kernel wins at every size tried
+        on that kernel (None in the result). Returns the values found."""
         from stages.engine.runner.quant import (
             BLOCK_CALIBRATION_ROWS,
             CALIBRATION_ROWS,
@@ -376,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
                              layer.mlp.down_proj) if isinstance(m, QuantLinear)]
         head = self.lm_head
         groups = {"linears": linears,
-                  "lm_head": [head] if isinstance(head, QuantLinear) and head.dense is not None else []}
+                  "lm_head": [head] if isinstance(head, QuantLinear) and head.has_dense else []}
         found: dict[str, int | None] = {}
         for name, mods in groups.items():
             if not mods:
@@ -389,7 +389,7 @@ class LlamaForCausalLM(nn.Module):
                     m.dense_min_rows = at
                 elif block:
                     m.drop_dense()
-                else:  # torch's kernels lose to a dense GEMM on prefill-sized chunks: keep the copy
+                else:  # torch's kernels lose to a dense GEMM on prefill-sized chunks: stay dense there
                     m.dense_min_rows = max(rows) * 2
         self.dense_min_rows = found
         return found
