@@ -13,10 +13,10 @@ is ``settle_bytes`` above the last trim's and did not move over one period (the 
 so a run of mid-sized requests (grammar compiles after a huge prompt) cannot leave a replica tens
 of MB above its floor for good. The check costs microseconds and a trim runs only after growth,
 off the event loop (ctypes releases the GIL during the call). The engine's step process trims
-once, after loading the model (:func:`trim_now`: the float state dict and the repacking's
-temporaries, ~250 MB for the embedded model), and is then left alone: its tensors are freed and
-reallocated every step, and returning those pages would make each step fault them in again. Where
-libc has no ``malloc_trim`` (not glibc), this does nothing.
+after loading the model (:func:`trim_now`: the float state dict and the repacking's temporaries,
+~250 MB for the embedded model) and when its step loop has gone idle; while it steps it is left
+alone: its tensors are freed and reallocated every step, and returning those pages would make each
+step fault them in again. Where libc has no ``malloc_trim`` (not glibc), this does nothing.
 """
 
 from __future__ import annotations

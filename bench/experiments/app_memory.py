@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -60,6 +61,8 @@ def pss_bytes(p: psutil.Process) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--warm", default="", help="send one chat request to this URL first")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds to wait after the request (an idle engine trims its heap after 1 s)")
     ap.add_argument("--json", default="")
     a = ap.parse_args()
     if a.warm:
@@ -68,6 +71,7 @@ def main() -> None:
         req = urllib.request.Request(a.warm.rstrip("/") + "/v1/chat/completions", body,
                                      {"Content-Type": "application/json"})
         urllib.request.urlopen(req, timeout=120).read()
+        time.sleep(a.settle)
     rows = []
     for p in psutil.process_iter():
         what = label(p)

@@ -356,10 +356,11 @@ class HeadEmbedding(nn.Module):
 
 
 #: Row counts tried by :func:`calibrate_dense_min_rows`, smallest first: torch's int4/int8 kernels
-#: lose to a dense GEMM within a few dozen rows; the block kernel was measured level with dense
-#: bfloat16 even at 512 rows (prefill chunks), so for it a few sizes up to 128 decide.
+#: lose to a dense GEMM within a few dozen rows. The block kernel's dense path also unpacks every
+#: layer (a fixed cost per step), so it wins only from a few hundred rows, where a prompt chunk's
+#: GEMMs are compute-bound; sizes up to 256 decide (a step has at most 512 rows by default).
 CALIBRATION_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
-BLOCK_CALIBRATION_ROWS = (4, 16, 64, 128)
+BLOCK_CALIBRATION_ROWS = (4, 16, 64, 128, 192, 256)
 
 
 def calibrate_dense_min_rows(layers: list[QuantLinear], rows: tuple[int, ...] = CALIBRATION_ROWS,

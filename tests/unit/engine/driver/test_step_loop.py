@@ -83,6 +83,27 @@ def test_an_add_is_accepted_then_streamed_to_its_end() -> None:
     assert [t for o in outs for t in o.new_token_ids] == reference([5, 6, 7], 5)
 
 
+def test_the_heap_is_trimmed_once_per_busy_spell_after_it_goes_idle(monkeypatch) -> None:
+    from stages.engine.driver import step_loop
+
+    trims: list[float] = []
+    monkeypatch.setattr(step_loop, "IDLE_TRIM_S", 0.05)
+    monkeypatch.setattr(step_loop, "trim_now", lambda: trims.append(time.monotonic()) or True)
+    h = Harness()
+    time.sleep(0.3)
+    assert trims == []  # never stepped: nothing to give back
+    for rid in ("a", "b"):
+        h.loop.send(_add(rid, [5, 6, 7], 5))
+        h.wait_for(lambda rid=rid: h.finished(rid))
+        finished = time.monotonic()
+        h.wait_for(lambda rid=rid: len(trims) == ("a", "b").index(rid) + 1)
+        assert trims[-1] - finished >= 0.04  # after a quiet interval, not between steps
+        time.sleep(0.3)
+        assert len(trims) == ("a", "b").index(rid) + 1  # once, however long it stays idle
+    h.stop()
+    assert h.loop.trimmed == 2
+
+
 def _slow_engine(step_s: float = 0.002) -> Any:
     """A fake engine whose steps take ``step_s`` and whose requests can run for thousands of
     tokens: a request aborted mid-way is still running when the abort arrives, however loaded the
