@@ -8,9 +8,10 @@ request's acceptance), a :class:`Fail` for a request refused at admission or fai
 one :class:`Dead` when the loop crashes.
 
 While it steps, the tensors a step frees are reallocated by the next, so the heap is left alone;
-once it has had no work for :data:`IDLE_TRIM_S`, it returns the freed pages to the system
-(``malloc_trim``): the scratch of a long prompt's steps (~50 MB after 1,500 tokens) is not held by
-an idle engine, and the next burst's first step faults it back in (a few ms, once).
+once it has had no work for :data:`IDLE_TRIM_S` (after start-up, and after each busy spell), it
+returns the freed pages to the system (``malloc_trim``, 5-10 ms): the scratch of a long prompt's
+steps (~50 MB after 1,500 tokens) is not held by an idle engine, and the next burst's first step
+faults it back in (a few ms, once).
 
 A structured-output grammar missing from the engine's cache is built on the grammar pool, never
 on this thread (a build can take seconds, and every request would wait for it); the add comes
@@ -130,7 +131,7 @@ class StepLoop:
         #: How long aborts took to free blocks, from the consumer leaving to the step that freed them.
         self.abort_latency = CumulativeHistogram(ABORT_LATENCY_BUCKETS)
         self.rejected_overloaded = 0
-        #: Idle heap trims that returned memory (for tests).
+        #: Heap trims when idle (for tests).
         self.trimmed = 0
         self.step_started = None
         self._handlers: dict[Kind, Callable[[Any], None]] = {
@@ -191,7 +192,8 @@ class StepLoop:
             logging.getLogger("lifecycle.engine").info(
                 "engine %s: %s", self.replica or "step loop",
                 raise_thread_priority(self.thread_nice, engine.config.num_threads))
-        stepped_since_trim = False
+        # Also once at start: what the process freed after the model's load (~190 MB in the app).
+        trim_due = True
         try:
             while not self._stop:
                 self._drain_inbox()
@@ -201,11 +203,12 @@ class StepLoop:
                     self.idle()
                     woken = self._wake.wait(timeout=IDLE_TRIM_S)
                     self._wake.clear()
-                    if stepped_since_trim and not woken:
-                        self.trimmed += trim_now()
-                        stepped_since_trim = False
+                    if trim_due and not woken:
+                        self.trimmed += 1
+                        trim_now()
+                        trim_due = False
                     continue
-                stepped_since_trim = True
+                trim_due = True
                 self.step_started = time.monotonic()
                 self.faults.before_step()
                 outputs = engine.step()

@@ -24,7 +24,7 @@ class FusedDecode:
                  max_rows: int) -> None:
         args = model.args
         self.kernel = kernel
-        #: Rows from which the matmuls switch to their dense copies: the per-op path runs those.
+        #: Rows from which the matmuls switch to dense GEMMs: the per-op path runs those.
         self.max_rows = max_rows
         self.dims = (args.hidden_size, args.num_heads, args.num_kv_heads, args.head_dim, args.intermediate_size)
         self.eps = float(model.layers[0].input_layernorm.eps)
