@@ -338,7 +338,9 @@ class Lifecycle:
 
     async def _pause(self) -> None:
         """Wait out :attr:`sync_delay_s` before a sync of new entries. A removal ends the wait: a
-        finished request leaves the directory at once, so a cancel of its id is a 404 everywhere."""
+        finished request leaves the directory one sync round trip after its end, so a cancel of
+        its id is a 404 everywhere from then on (one racing the end still finds it: a 200 that
+        cancels nothing)."""
         if self.sync_delay_s <= 0 or self._removed:
             return
         self._removal.clear()

@@ -133,8 +133,12 @@ def test_cancel_by_id_on_another_ingress_replica(app: Any, ingress_ports: dict[s
     usage = events[-1]["usage"]
     assert 0 < usage["completion_tokens"] < 400
     print(f"cancel via the other Ingress replica ended the stream in {ended_in * 1000:.0f} ms")
-    # Finished: a second cancel is a 404 in the OpenAI shape.
-    gone = httpx.post(f"{other_url}/v1/requests/{response_id}/cancel", timeout=30)
+    # Finished: once the holder's removal has reached the Directory (one sync round trip after the
+    # end; a cancel racing it still finds the entry), a second cancel is a 404 in the OpenAI shape.
+    deadline = time.monotonic() + 5
+    while (gone := httpx.post(f"{other_url}/v1/requests/{response_id}/cancel", timeout=30)).status_code == 200:
+        assert time.monotonic() < deadline, "the finished request stayed in the Directory"
+        time.sleep(0.05)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "request_not_found"
     _wait_idle(app)
 
