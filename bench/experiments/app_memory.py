@@ -29,6 +29,12 @@ def label(p: psutil.Process) -> str | None:
         return None
     if "stages.engine.driver.core_process" in cmd:
         return "Engine core process (the model)"
+    # The dashboard runs each module in a process forked from its own forkserver.
+    m = re.match(r"ray-dashboard-(\w+)", name) or re.match(r"ray-dashboard-(\w+)", cmd)
+    if m:
+        return f"dashboard module {m.group(1)}"
+    if "multiprocessing.forkserver" in cmd and "ray.dashboard" in cmd:
+        return "dashboard modules' forkserver"
     m = re.match(r"ray::ServeReplica:\w+:(\w+)", name) or re.search(r"ray::ServeReplica:\w+:(\w+)", cmd)
     if m:
         return f"replica {m.group(1)}"
@@ -73,8 +79,17 @@ def main() -> None:
         urllib.request.urlopen(req, timeout=120).read()
         time.sleep(a.settle)
     rows = []
-    for p in psutil.process_iter():
-        what = label(p)
+    procs = list(psutil.process_iter())
+    labels = {p.pid: label(p) for p in procs}
+    for p in procs:
+        what = labels[p.pid]
+        if what is None:
+            # Anything else a process of the app started is the app's too.
+            try:
+                parent = next((a for a in p.parents() if labels.get(a.pid)), None)
+                what = None if parent is None else f"other: {p.name()} (child of {labels[parent.pid]})"
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
         if what is None:
             continue
         try:
