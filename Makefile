@@ -21,6 +21,10 @@ export RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S := 0.2
 # One HAProxy thread is plenty for this machine's two cores.
 export RAY_SERVE_ENABLE_HA_PROXY := 1
 export RAY_SERVE_HAPROXY_NBTHREAD := 1
+# Ray starts its workers at nice 15, below every ordinary process: a busy neighbour then starves the
+# stages that carry each token (Ingress, Egress, HAProxy). At 0 they stay level with it, and the
+# engine's step thread runs above them (engine.step_thread_nice; stages/engine/driver/priority.py).
+export RAY_worker_niceness := 0
 # Ray 2.60 turns token auth on by default, and then a plain `serve status` / `serve shutdown` in the
 # user's shell is refused, so it runs without a token. Its HTTP listeners are on loopback, but Ray's
 # gRPC servers listen on every interface: on an untrusted network `RAY_AUTH_MODE=token make serve`

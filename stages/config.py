@@ -105,10 +105,10 @@ class EngineSettings(_Section):
     max_migrations: int = Field(3, ge=0)
     #: Seconds between the replica's reports to the Directory (app-wide /health and /metrics).
     report_interval_s: float = Field(1.0, gt=0)
-    #: Nice value of the engine's step thread (Ray starts workers at nice 15; the CPU stages keep
-    #: that): normal priority where the engine leaves a core free (:mod:`stages.engine.driver.priority`).
-    #: ``None``: leave it.
-    step_thread_nice: int | None = Field(0, ge=-20, le=19)
+    #: Nice value of the engine's step thread, above the CPU stages (nice 0: the Makefile starts Ray's
+    #: workers there) and anything else on the machine, where the engine leaves a core free
+    #: (:mod:`stages.engine.driver.priority`; needs ``CAP_SYS_NICE``). ``None``: leave it.
+    step_thread_nice: int | None = Field(-5, ge=-20, le=19)
     #: Run the step loop in a child process of the replica (:mod:`stages.engine.driver.core_process`), so
     #: it never waits for the GIL the replica's event loop holds; false: on a thread of the replica.
     core_process: bool = True

@@ -20,7 +20,7 @@ from tests.leftovers import RAY_TEMP_DIRS
 #: Environment every Ray process of the tests gets. Direct ingress (on under
 #: RAY_SERVE_THROUGHPUT_OPTIMIZED) otherwise drains each Ingress replica for 30 s at shutdown.
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.2",
-             "RAY_USAGE_STATS_ENABLED": "0"}
+             "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,20 +1,22 @@
 """The engine step thread's CPU priority.
 
-Why: Ray starts every worker at nice 15, so the engine's step thread competes as an equal with
-each CPU stage (Serve's proxy, Ingress, Egress) and below the client and Ray's own daemons at
-nice 0. On a small machine those stages wake in a burst after every step (each step's tokens go
-out through them), and the step thread waits on the run queue meanwhile, so every step ends
-later (BENCHMARKS.md has the figures). The step thread is the one thread whose speed is
-everyone's throughput, so it runs at normal priority and the stages keep Ray's: they still get
-every core the engine does not use.
+Why: the step thread is the one thread whose speed is everyone's throughput. Left level with the
+CPU stages (Ingress, Egress, HAProxy), it waits on the run queue each time they wake in a burst
+after a step (each step's tokens go out through them), so every step ends later; so it runs above
+them, and they still get every core the engine does not use. The stages themselves run at nice 0,
+level with whatever else the machine runs: Ray starts its workers at nice 15 by default, where any
+busy neighbour starves the stages that deliver the tokens, so the Makefile (and the test harness)
+start Ray with ``RAY_worker_niceness=0``. The step thread's default, nice -5, keeps it above both the
+stages and such neighbours (BENCHMARKS.md, "a busy machine": with two CPU-bound neighbours on two
+cores, 2-3× the throughput of Ray's default priorities, and the same when the machine is quiet).
 
 Only where the engine leaves a core for everything else (its threads fewer than the machine's
 cores): on a one-core machine a busy engine would starve the stages that deliver its tokens.
 The rule is per machine, but each engine sees only itself: two engine replicas that each leave a
 core free can together take every core, at a priority above the stages that deliver their tokens
 (both engines then prefill slower and every token waits in the stages). So an engine deployment
-that may run more than one replica leaves its step threads at Ray's priority
-(:func:`step_thread_nice`).
+that may run more than one replica leaves its step threads at the workers' priority, level with
+the stages (:func:`step_thread_nice`).
 
 Lowering a nice value needs ``CAP_SYS_NICE`` (root, or a container granted it); without it the
 thread stays as it was and the log says so.
