@@ -72,7 +72,7 @@ class EngineDeployment:
         replicas = most_replicas(serve.get_replica_context()._deployment_config)
         nice = step_thread_nice(self.settings.step_thread_nice, replicas)
         if nice != self.settings.step_thread_nice:
-            logger.info("step thread left at Ray's priority: this deployment may run %d engine replicas", replicas)
+            logger.info("step thread left at the workers' priority: this deployment may run %d engine replicas", replicas)
             self.settings = self.settings.model_copy(update={"step_thread_nice": nice})
         self.replica = own_replica_id()
         # device=auto resolves where the model loads: with a core process, this process never imports torch.
