@@ -16,6 +16,18 @@ import httpx
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
+def serve_env(repo: str) -> dict[str, str]:
+    """The environment variables `make serve` exports (``make serve-env``), for serving another
+    tree or configuration the way `make serve` does."""
+    out = subprocess.run(["make", "-s", "--no-print-directory", "-C", repo, "serve-env"], check=True,
+                         capture_output=True, text=True).stdout
+    env = {}
+    for line in out.splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = value.strip("'")
+    return env
+
+
 def machine() -> dict[str, Any]:
     """What the figures were measured on."""
     cpu = "unknown"

