@@ -196,6 +196,11 @@ def test_dockerfile_environment_matches_the_makefiles_exports():
     assert env["LIFECYCLE_SERVE_CACHE"].startswith("/")
 
 
+def test_make_serve_starts_rays_workers_level_with_other_processes():
+    # Ray's default (15) puts every stage below any busy neighbour (stages/engine/driver/priority.py).
+    assert _makefile_exports()["RAY_worker_niceness"] == "0"
+
+
 def test_dockerfile_runs_as_non_root_with_a_health_check():
     instrs = _dockerfile()
     users = [rest for instr, rest in instrs if instr == "USER"]
