@@ -19,11 +19,8 @@ from tests.leftovers import RAY_TEMP_DIRS
 
 #: Environment every Ray process of the tests gets. Direct ingress (on under
 #: RAY_SERVE_THROUGHPUT_OPTIMIZED) otherwise drains each Ingress replica for 30 s at shutdown.
-#: As the Makefile exports, but for ``RAY_worker_niceness``: the test session keeps Ray's workers at
-#: its default nice 15, below the test under way, since every app a session has deployed stays up
-#: and their control loops and reports would otherwise take CPU from it at equal priority.
 SERVE_ENV = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0.2",
-             "RAY_USAGE_STATS_ENABLED": "0"}
+             "RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,7 +1,7 @@
 """CPU priorities in a running app: the stages at the workers' priority, the step thread above.
 
-`make serve` starts Ray's workers at nice 0 (``RAY_worker_niceness``: tests/unit/test_deploy_files.py);
-the test session keeps Ray's default, 15 (tests/serve_harness.py)."""
+`make serve` and the test session start Ray's workers at nice 0 (``RAY_worker_niceness``:
+tests/unit/test_deploy_files.py, tests/serve_harness.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ CPU stages (Ingress, Egress, HAProxy), it waits on the run queue each time they 
 after a step (each step's tokens go out through them), so every step ends later; so it runs above
 them, and they still get every core the engine does not use. The stages themselves run at nice 0,
 level with whatever else the machine runs: Ray starts its workers at nice 15 by default, where any
-busy neighbour starves the stages that deliver the tokens, so the Makefile (and the Dockerfile)
+busy neighbour starves the stages that deliver the tokens, so the Makefile (the Dockerfile, the tests)
 start Ray with ``RAY_worker_niceness=0``. The step thread's default, nice -5, keeps it above both the
 stages and such neighbours (BENCHMARKS.md, "a busy machine": with two CPU-bound neighbours on two
 cores, 2-3× the throughput of Ray's default priorities, and the same when the machine is quiet).
