@@ -8,11 +8,13 @@ asks the dashboard, which the tests' Ray session does not start (to save memory 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -225,3 +227,18 @@ def sse_events(raw: bytes) -> list[str]:
         if line.startswith("data: "):
             out.append(line[6:])
     return out
+
+
+def core_pid(replica_pid: int) -> int:
+    """The engine core process (``engine.core_process``) a replica started."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
+            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if b"stages.engine.driver.core_process" in cmd and ppid == replica_pid:
+            return int(entry)
+    raise AssertionError(f"no engine core process under replica {replica_pid}")

@@ -28,6 +28,7 @@ from tests.fault_harness import (
     RawStream,
     StreamResult,
     Streams,
+    core_pid,
     direct_ingress_url,
     replica_actors,
     rss_bytes,
@@ -108,21 +109,6 @@ def _kill(app: str, deployment: str) -> tuple[int, float]:
     return replica["pid"], time.monotonic()
 
 
-def _core_pid(replica_pid: int) -> int:
-    """The engine core process (``engine.core_process``) a replica started."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-        if b"stages.engine.driver.core_process" in cmd and ppid == replica_pid:
-            return int(entry)
-    raise AssertionError(f"no engine core process under replica {replica_pid}")
-
-
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -136,7 +122,7 @@ def test_engine_replica_killed_mid_stream(fault_app: ServeApp) -> None:
     streams = Streams(fault_app.url, 8, max_tokens=400)
     streams.wait_started()
     (replica,) = replica_actors(APP)["Engine"]
-    core = _core_pid(replica["pid"])
+    core = core_pid(replica["pid"])
     pid, killed_at = _kill(APP, "Engine")
     results = streams.join(30)
     _assert_error_events(results, killed_at)
@@ -156,7 +142,7 @@ def test_engine_core_process_killed_mid_stream(fault_app: ServeApp) -> None:
     streams = Streams(fault_app.url, 8, max_tokens=400)
     streams.wait_started()
     (replica,) = replica_actors(APP)["Engine"]
-    os.kill(_core_pid(replica["pid"]), signal.SIGKILL)
+    os.kill(core_pid(replica["pid"]), signal.SIGKILL)
     killed_at = time.monotonic()
     results = streams.join(30)
     _assert_error_events(results, killed_at)

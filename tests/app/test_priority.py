@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tests.fault_harness import replica_actors
+from tests.fault_harness import core_pid, replica_actors
 
 CAP_SYS_NICE = 23
 
@@ -25,18 +25,6 @@ def _nices(pid: int) -> dict[int, int]:
     return out
 
 
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    kids.append(int(entry))
-            except (OSError, ValueError):
-                continue
-    return kids
-
-
 def _may_raise_priority() -> bool:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("CapEff:"):
@@ -44,7 +32,7 @@ def _may_raise_priority() -> bool:
     return False
 
 
-def test_stages_run_at_nice_0_and_the_step_thread_above_them(fault_app: Any) -> None:
+def test_stages_run_at_the_workers_priority_and_the_step_thread_above_them(fault_app: Any) -> None:
     # This app's engine takes one thread of the machine's cores, so its step thread may rise.
     assert fault_app.args["engine"]["num_threads"] < (os.cpu_count() or 1)
     workers = int(os.environ.get("RAY_worker_niceness", "15"))  # the session's (Ray's default: 15)
@@ -53,9 +41,7 @@ def test_stages_run_at_nice_0_and_the_step_thread_above_them(fault_app: Any) -> 
         for replica in replicas[deployment]:  # Ray sets its worker's main thread (the event loop's)
             assert os.getpriority(os.PRIO_PROCESS, replica["pid"]) == workers, (deployment, _nices(replica["pid"]))
     (engine,) = replicas["Engine"]
-    (core,) = [pid for pid in _children(engine["pid"])
-               if b"stages.engine.driver.core_process" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-    nices = sorted(_nices(core).values())
+    nices = sorted(_nices(core_pid(engine["pid"])).values())
     # One thread (the step loop; the OpenMP workers it starts inherit it) at -5 where this machine
     # lets a process raise its priority, above every stage; none raised where it does not.
     if _may_raise_priority():
