@@ -54,7 +54,10 @@ class EngineSettings(_Section):
     block_size: int = Field(16, ge=1, le=256)
     #: KV blocks in the pool; 0: as many as ``kv_cache_memory_gb`` holds.
     num_kv_blocks: int = Field(0, ge=0)
-    kv_cache_memory_gb: float = Field(1.0, gt=0)
+    #: The KV pool's size. On CPU its pages become resident as blocks are first written, and the
+    #: block manager hands out never-used blocks before evicting cached ones, so a long-running
+    #: server ends up holding all of it: 0.5 keeps the whole app within 2.5 GB (BENCHMARKS.md).
+    kv_cache_memory_gb: float = Field(0.5, gt=0)
     #: torch intra-op threads on CPU, and the CPU kernels' (0: torch's default).
     num_threads: int = Field(0, ge=0)
     #: Threads for a step that computes at least ``prefill_threads_min_tokens`` prompt tokens (0: as
