@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from stages.engine.runner.gguf_table import gguf_tensors
 from stages.model_info import resolve_model_dir
 
 
@@ -82,16 +83,8 @@ def unpermute_rows(n_rows: int, n_head: int) -> Any:
     return torch.arange(n_rows).reshape(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
-def gguf_tensors(path: str | Path) -> dict[str, Any]:
-    """The tensors of a GGUF file by name (memory-mapped). Parsing the file's metadata, the tokenizer's
-    vocabulary among it, takes the reader seconds: open each file once."""
-    from gguf import GGUFReader
-
-    return {t.name: t for t in GGUFReader(str(path)).tensors}
-
-
 def read_gguf_linears(tensors: dict[str, Any], num_heads: int, num_kv_heads: int) -> dict[str, Any]:
-    """The Q4_1 linear layers among a GGUF's ``tensors`` (:func:`gguf_tensors`) by Hugging Face name,
+    """The Q4_1 linear layers among a GGUF's ``tensors`` (:func:`~stages.engine.runner.gguf_table.gguf_tensors`) by Hugging Face name,
     as :class:`GroupInt4`, rows in Hugging Face order. Raises ``ValueError`` for any other block type
     (only Q4_1 maps exactly)."""
     from gguf import GGMLQuantizationType

@@ -103,7 +103,8 @@ def test_embedded_gguf_blocks_match_the_converted_float_weights():
     exactly the float weights transformers converted from the same file."""
     from safetensors import safe_open
 
-    from stages.engine.runner.loader import gguf_tensors, read_gguf_linears
+    from stages.engine.runner.gguf_table import gguf_tensors
+    from stages.engine.runner.loader import read_gguf_linears
     from stages.model_info import EMBEDDED_MODEL, embedded_gguf_path, resolve_model_dir
 
     linears = read_gguf_linears(gguf_tensors(embedded_gguf_path()), num_heads=9, num_kv_heads=3)

@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
 from stages.engine.runner import kernels
-from stages.engine.runner.loader import gguf_tensors, read_gguf_q8_0, split_q4_1, split_q8_0
+from stages.engine.runner.gguf_table import gguf_tensors
+from stages.engine.runner.loader import read_gguf_q8_0, split_q4_1, split_q8_0
 from stages.engine.runner.quant import (
     GROUP,
     BlockInt8,
