@@ -69,7 +69,7 @@ class ModelRunner:
         Two knobs no config sets, for experiments: ``lm_head``, the LM head under quantised weights
         (auto: :func:`loader.lm_head_default` | float | bf16 | int4 | int8 | q8_0), and
         ``dense_min_rows``, the row count from which quantised layers use a dense GEMM (0: measured
-        at load, :func:`quant.calibrate_dense_min_rows`)."""
+        at load, :func:`calibration.calibrate_dense_min_rows`)."""
         self.config = config
         self.device = torch.device(resolve_device(config.device))
         # Checked before any weight is touched, so a bad setting fails at once.

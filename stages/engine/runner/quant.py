@@ -312,6 +312,12 @@ def _scratch(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[: n * k].view(n, k)
 
 
+def release_scratch() -> None:
+    """Drop this thread's unpack buffer (the loading thread's, after calibration: the step thread
+    grows its own)."""
+    _thread.buf = None
+
+
 class DenseLinear(nn.Module):
     """A bias-free linear layer on bfloat16 weights with float32 in and out (an LM head kept dense
     but at half the bytes of float32; no requantisation)."""
@@ -353,69 +359,6 @@ class HeadEmbedding(nn.Module):
         q = head.qweight.view(t, nb, 8, TILE, 4)[tile, :, :, row, :]           # [rows, nb, 8, 4]
         d = head.scales[tile, :, row].float()                                    # [rows, nb]
         return (q.reshape(len(ids), nb, GROUP).float() * d[..., None]).reshape(len(ids), nb * GROUP)
-
-
-#: Row counts :func:`calibrate_dense_min_rows` bisects, in ascending order: torch's int4/int8 kernels
-#: lose to a dense GEMM within a few dozen rows. The block kernel's dense path also unpacks every
-#: layer (a fixed cost per step), so it wins only from a few hundred rows, where a prompt chunk's
-#: GEMMs are compute-bound; sizes up to 256 decide (a step has at most 512 rows by default).
-CALIBRATION_ROWS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
-BLOCK_CALIBRATION_ROWS = (4, 16, 64, 128, 192, 256)
-
-
-def calibrate_dense_min_rows(layers: list[QuantLinear], rows: tuple[int, ...] = CALIBRATION_ROWS,
-                             repeats: int = 5, budget_s: float = 0.3) -> int | None:
-    """The smallest row count in ``rows`` at which the dense GEMMs of ``layers`` (together, as one
-    forward pass runs them) are at least as fast as the quantised kernel on this machine, with
-    torch's current thread count; None when the quantised kernel wins at every size tried.
-
-    Where the two cross depends on the CPU (bfloat16 dot products or AMX or neither, AVX2 or AVX-512,
-    the memory bandwidth) and on the layer shapes. Timing all layers, not one, matters: one layer's
-    weights sit in the CPU cache when timed alone, while a real step streams every layer's from
-    memory. The dense path gains on the kernel as rows grow, so the sizes are bisected, the largest
-    first: where the kernel wins even there (a CPU without fast bfloat16 or float32 GEMMs) one
-    comparison decides. Each side is timed ``repeats`` times, fewer where one pass alone exceeds
-    ``budget_s``: at a few hundred rows on a small AVX2 CPU a pass of all layers takes a second, and
-    the load is on every engine start's path.
-    """
-    import statistics
-    import time
-
-    layers = [m for m in layers if m.has_dense]
-    if not layers:
-        return None
-
-    def cost(fn_name: str, n: int) -> float:
-        xs = [torch.randn(n, m.in_features) for m in layers]
-        fns = [getattr(m, fn_name) for m in layers]
-        def one_pass() -> float:
-            t0 = time.perf_counter()
-            for fn, x in zip(fns, xs, strict=True):
-                fn(x)
-            return time.perf_counter() - t0
-
-        first = one_pass()  # warms up (first-call allocation, packing caches), sizes the repeats
-        n_rep = min(repeats, max(1, int(budget_s / first)))
-        return statistics.median(one_pass() for _ in range(n_rep))
-
-    def dense_wins(n: int) -> bool:
-        # Interleaved, so a burst of load on the machine hits both sides alike.
-        return cost("dense_matmul", n) <= cost("quant_matmul", n)
-
-    try:
-        with torch.inference_mode():
-            if not dense_wins(rows[-1]):
-                return None
-            lo, hi = 0, len(rows) - 1  # rows[hi] wins
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if dense_wins(rows[mid]):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            return rows[hi]
-    finally:
-        _thread.buf = None  # the loading thread's scratch; the step thread grows its own
 
 
 #: Output rows per tile of the block-quantised kernels (``kernels/quant_matmul.cpp``).

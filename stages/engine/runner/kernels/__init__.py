@@ -172,6 +172,8 @@ class QuantMatmul:
         self._unpack_q8.argtypes = [ptr, ptr, i64, i64, ptr, i32, i32]
         self._unpack_q8.restype = None
         self.isa = int(lib.lifecycle_quant_isa())
+        #: The built library's path: its name hashes the sources, compiler, flags and CPU.
+        self.library = str(lib._name)
 
     @property
     def isa_name(self) -> str:

@@ -364,12 +364,12 @@ class LlamaForCausalLM(nn.Module):
         the quantised kernel: once for the decoder layers' linears and once for the LM head; set
         ``dense_min_rows`` on all of them, and keep a group whose kernel wins at every size tried
         on that kernel (None in the result). Returns the values found."""
-        from stages.engine.runner.quant import (
+        from stages.engine.runner.calibration import (
             BLOCK_CALIBRATION_ROWS,
             CALIBRATION_ROWS,
-            QuantLinear,
             calibrate_dense_min_rows,
         )
+        from stages.engine.runner.quant import QuantLinear
 
         linears = [m for layer in self.layers
                    for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
