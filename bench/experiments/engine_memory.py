@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Where the engine process's resident memory goes, and what the bfloat16 prompt copies buy.
+"""Where the engine process's resident memory goes, and what the dense prompt path buys.
 
     .venv/bin/python bench/experiments/engine_memory.py [--trade] [--json OUT]
 
