@@ -2,7 +2,10 @@
 """The cores' matmul peaks (float32, bfloat16, int8) and what the prompt's linear layers reach.
 
 Peaks are torch's best GEMM throughput on large square problems (oneDNN picks AMX, AVX512-BF16/VNNI
-or AVX2 for the CPU at hand), best of a one-second loop each, with ``--threads`` threads. Then one
+or AVX2 for the CPU at hand), best of a one-second loop each, with ``--threads`` threads, and the
+instruction set's own int8 multiply-accumulate peak with operands in registers (``int8_peak.cpp``:
+on a CPU without VNNI or AMX torch's int8 GEMM falls back to reference loops, so its figure says
+nothing about the cores). Then one
 prompt chunk of ``--rows`` rows goes through the embedded model's quantised linear layers as a
 prefill step runs them (``QuantLinear`` with its dense copies or the block kernel, whichever the
 load-time calibration chose for that size), and its throughput is quoted as a fraction of each peak.
@@ -48,6 +51,26 @@ def peaks(size: int) -> dict[str, float]:
             "int8": ops / best(lambda: torch._int_mm(a8, b8)) / 1e9}
 
 
+def isa_int8_peak(threads: int) -> tuple[float, str]:
+    """GOP/s of the widest int8 dot-product instruction this CPU has, on ``threads`` threads, and
+    that instruction's name (``int8_peak.cpp``, built with the engine's kernel builder)."""
+    import ctypes
+
+    from stages.engine.runner import kernels
+
+    lib = ctypes.CDLL(str(kernels.build([Path(__file__).with_name("int8_peak.cpp")])))
+    lib.lifecycle_int8_peak.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p]
+    lib.lifecycle_int8_peak.restype = ctypes.c_int64
+    lib.lifecycle_int8_peak_isa.restype = ctypes.c_char_p
+    isa = lib.lifecycle_int8_peak_isa().decode()
+    sink = (ctypes.c_int32 * max(threads, 1))()
+    iters = 20_000_000
+    ops = lib.lifecycle_int8_peak(iters, threads, sink)
+    if ops == 0:
+        return 0.0, isa
+    return ops / best(lambda: lib.lifecycle_int8_peak(iters, threads, sink)) / 1e9, isa
+
+
 def model_linears(rows: int) -> tuple[float, str]:
     """GOP/s of one ``rows``-row chunk through every decoder linear layer of the embedded model."""
     from stages.config import EngineSettings
@@ -80,6 +103,9 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     print(f"load average {os.getloadavg()[0]:.2f}; {a.threads} threads", flush=True)
     peak = peaks(a.size)
+    isa_peak, isa = isa_int8_peak(a.threads)
+    if isa_peak:
+        peak[f"int8 instruction ({isa}, registers only)"] = isa_peak
     linear, path = model_linears(a.rows)
     print(f"| GEMM {a.size}³ | GOP/s |\n|---|---|")
     for k, v in peak.items():
