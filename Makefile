@@ -70,7 +70,7 @@ serve-env:
 	@env | grep -E '^(RAY_|HF_HUB_OFFLINE=|TOKENIZERS_PARALLELISM=)' | sed "s/^\([^=]*\)=\(.*\)$$/export \1='\2'/"
 
 test: setup nginx kubectl
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25
+	$(PY) -m pytest -q --durations=25
 
 # tests/unit only: pure logic and the engine on the embedded model, no Ray Serve app, no cluster
 # (tests/conftest.py refuses a test there that needs one).

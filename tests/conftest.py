@@ -304,20 +304,11 @@ def _group_by_app(items: list[pytest.Item]) -> None:
         items[i] = item
 
 
-#: The xdist group of every test that starts Ray (a Serve app or a cluster): one worker runs them
-#: all, in order, while the other works through the rest module by module.
-RAY_GROUP = "ray"
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests that use a real Serve app get the ``serve`` marker (``-m "not serve"`` skips them), and
     ``tests/unit`` may hold none of them (nor any ``cluster`` test): it is the loop that runs
     without Ray Serve. Tests under ``tests/gpu`` get the ``gpu`` marker; ``gpu`` tests skip where
-    torch sees no CUDA device. Every test gets an ``xdist_group`` for ``make test``'s two workers
-    (``-n 2 --dist loadgroup``): :data:`RAY_GROUP` for those that start Ray, which share one Ray
-    session and two cores badly with a second; its module for the others, so a module's fixtures
-    are built once."""
+    torch sees no CUDA device."""
     misplaced, gpu_items = [], []
     for item in items:
         if SERVE_FIXTURES & set(getattr(item, "fixturenames", ())):
@@ -331,9 +322,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("gpu"):
             gpu_items.append(item)
     _group_by_app(items)
-    for item in items:
-        ray = item.get_closest_marker("serve") or item.get_closest_marker("cluster")
-        item.add_marker(pytest.mark.xdist_group(RAY_GROUP if ray else str(Path(str(item.path)).relative_to(TESTS))))
     if misplaced:
         raise pytest.UsageError("tests/unit must run without a Serve app or a cluster; move these to "
                                 "tests/app or tests/cluster:\n  " + "\n  ".join(misplaced))
