@@ -4,13 +4,9 @@
   whose files live in a temp dir removed at the end (kept when a test failed).
 - Tests that use a Serve app get the ``serve`` marker; ``tests/unit`` may hold none of them.
 - Tests under ``tests/gpu`` get the ``gpu`` marker, and ``gpu`` tests skip where CUDA is missing.
-- The app tests run grouped by the app they use (:data:`APPS`' order), and each app is deleted
-  after the last test that uses it: an idle app costs ~15-20% of a core (its replicas' loops and
-  Serve's controller polling them), and two cores shared with four idle apps slowed every test.
-  Deleting an app reconfigures the HAProxy edge, which drops open connections; between tests
-  there are none.
 - Ray stops after the last test that uses it, so the tests that follow (cluster, parity, unit) do
-  not share two cores with idle replicas.
+  not share two cores with idle replicas. Apps are not deleted one by one before that: deleting
+  an app reconfigures the HAProxy edge, which drops other apps' open connections.
 - The session fails if it leaves a dead cluster address or a Ray process behind (tests/leftovers.py).
 """
 
@@ -30,7 +26,7 @@ import pytest
 
 from tests import leftovers
 from tests.otlp_receiver import OTLPReceiver
-from tests.serve_harness import delete_app, deploy_app, start_ray, stop_app
+from tests.serve_harness import deploy_app, start_ray, stop_app
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -280,28 +276,9 @@ def serve_app_tools(serve_session: str) -> Iterator[ServeApp]:
     yield ServeApp(url=url, otlp=None, args=args, session_dir=serve_session, name="tools")
 
 
-#: The fixtures that start a real Serve app → the app's name, in the order the app tests run: a
-#: test module runs with the others that use the same apps, those with fewer apps first, so each
-#: app's tests are contiguous and it can go when they end (the main app, used most, comes last).
-APPS = {"serve_app_tools": "tools", "fault_app": "faults", "serve_app_replicas": "replicas",
-        "serve_app_guarded": "guarded", "serve_app": "lifecycle"}
-SERVE_FIXTURES = set(APPS)
+#: Fixtures that start a real Serve app.
+SERVE_FIXTURES = {"serve_app", "serve_app_replicas", "fault_app", "serve_app_guarded", "serve_app_tools"}
 TESTS = Path(__file__).resolve().parent
-
-
-def _group_by_app(items: list[pytest.Item]) -> None:
-    """Reorder the tests/app tests in place, module by module, by the apps each module uses
-    (:data:`APPS`' ranks, sorted: a module using apps 3 and 4 runs between those using only 3 and
-    those using only 4); the order within a module, and of every other test, stays."""
-    rank = {fixture: i for i, fixture in enumerate(APPS)}
-    keys: dict[Path, set[int]] = {}
-    slots = [i for i, item in enumerate(items) if Path(str(item.path)).is_relative_to(TESTS / "app")]
-    for i in slots:
-        used = SERVE_FIXTURES & set(getattr(items[i], "fixturenames", ()))
-        keys.setdefault(Path(str(items[i].path)), set()).update(rank[f] for f in used)
-    ordered = sorted((items[i] for i in slots), key=lambda item: tuple(sorted(keys[Path(str(item.path))])))
-    for i, item in zip(slots, ordered, strict=True):
-        items[i] = item
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -321,7 +298,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             misplaced.append(item.nodeid)
         if item.get_closest_marker("gpu"):
             gpu_items.append(item)
-    _group_by_app(items)
     if misplaced:
         raise pytest.UsageError("tests/unit must run without a Serve app or a cluster; move these to "
                                 "tests/app or tests/cluster:\n  " + "\n  ".join(misplaced))
@@ -337,36 +313,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _ADDRESS_BEFORE = pytest.StashKey[str | None]()
 #: The id of the last test that uses Ray (a Serve app or the session itself).
 _LAST_RAY_TEST = pytest.StashKey[str]()
-#: Test id → the apps whose last test it is.
-_LAST_APP_TESTS = pytest.StashKey[dict[str, list[str]]]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Find, among the tests that will run, the last that uses Ray and the last that uses each app."""
+    """Find, among the tests that will run, the last that uses Ray."""
     ray_fixtures = SERVE_FIXTURES | {"serve_session"}
     users = [item.nodeid for item in session.items if ray_fixtures & set(getattr(item, "fixturenames", ()))]
     session.config.stash[_LAST_RAY_TEST] = users[-1] if users else ""
-    last: dict[str, str] = {}
-    for item in session.items:
-        for fixture in SERVE_FIXTURES & set(getattr(item, "fixturenames", ())):
-            last[fixture] = item.nodeid
-    by_test: dict[str, list[str]] = {}
-    for fixture, nodeid in last.items():
-        by_test.setdefault(nodeid, []).append(APPS[fixture])
-    session.config.stash[_LAST_APP_TESTS] = by_test
 
 
 @pytest.hookimpl(hookwrapper=True, trylast=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """After the last test that uses an app (its module fixtures torn down too), delete the app;
-    after the last test that uses Ray, stop it: the session fixture's own finalizer then finds
-    nothing left to do."""
+    """After the last test that uses Ray (its module fixtures torn down too), stop it; the session
+    fixture's own finalizer then finds nothing left to do."""
     yield
     if item.nodeid == item.config.stash.get(_LAST_RAY_TEST, None):
         stop_app(keep_dir=item.session.testsfailed > 0)
-        return
-    for name in item.config.stash.get(_LAST_APP_TESTS, {}).get(item.nodeid, []):
-        delete_app(name)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -156,16 +156,6 @@ def deploy_app(args: dict[str, Any], name: str = "lifecycle", route_prefix: str 
         time.sleep(1)
 
 
-def delete_app(name: str) -> None:
-    """Delete the Serve app ``name`` and wait until its replicas are gone; nothing where Ray or
-    the app is not running."""
-    import ray
-    from ray import serve
-
-    if ray.is_initialized() and name in serve.status().applications:
-        serve.delete(name)
-
-
 def start_app(args: dict[str, Any], num_cpus: int = 8, timeout_s: float = 300,
               options: dict[str, dict[str, Any]] | None = None) -> tuple[str, str]:
     """Start Ray and the default app built from ``args`` (``options`` as in :func:`deploy_app`).
